@@ -1,0 +1,158 @@
+"""StateCheckpointPool: recurrent-state checkpoint slots, separate from the live requests' pool.
+
+SGLang keeps the states of running requests in a ``MambaPool`` (conv states and the
+temporal SSM / delta-rule state of every recurrent layer, one slot per request). A cached
+checkpoint must never take one of those slots, or cache pressure starves admission; so the
+checkpoints live here, in the same per-slot shapes and dtypes, with their own budget.
+
+The pool speaks the interface SGLang 0.5.23 already defines for a radix-owned checkpoint
+store (``MambaCheckpointPool``, ``req_to_token_pool.mamba_ckpt_pool``): ``alloc`` / ``free``
+/ ``available_size`` / ``clear`` plus ``store_from_active`` (snapshot) and
+``load_to_active`` (restore). Installing it there lets SGLang's own scheduler paths do the
+two-pool accounting (``pool_stats_observer``, ``invariant_checker``) and run the restore on
+the forward stream (``ModelRunner`` calls ``load_to_active`` for deferred copy-on-write).
+Unlike the int8 store it keeps full precision, so a restored state is bit-identical.
+
+Slot 0 is reserved, as in ``MambaSlotAllocator``; slots handed out are 1..num_slots.
+Recency (LRU) and lock counts for checkpoints live on the radix-tree nodes that own the
+slots (SGLang's MAMBA LRU list and ``lock_ref``), not here: one place decides eviction.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from typing import List, Optional, Sequence
+
+import torch
+
+from sglang.srt.mem_cache.allocator.mamba import MambaSlotAllocator
+
+from sglang_hybrid.kernels.state_copy import copy_states, copy_states_reference
+
+
+@dataclass(frozen=True)
+class StateLayout:
+    """Per-slot layout of one recurrent state: every recurrent layer's conv and temporal state."""
+
+    num_layers: int
+    conv_shapes: tuple[tuple[int, ...], ...]
+    conv_dtypes: tuple[torch.dtype, ...]
+    temporal_shape: tuple[int, ...]
+    temporal_dtype: torch.dtype
+
+    @classmethod
+    def of_mamba_pool(cls, mamba_pool) -> "StateLayout":
+        cache = mamba_pool.mamba_cache
+        return cls(
+            num_layers=cache.temporal.shape[0],
+            conv_shapes=tuple(tuple(c.shape[2:]) for c in cache.conv),
+            conv_dtypes=tuple(c.dtype for c in cache.conv),
+            temporal_shape=tuple(cache.temporal.shape[2:]),
+            temporal_dtype=cache.temporal.dtype,
+        )
+
+    @property
+    def bytes_per_slot(self) -> int:
+        conv = sum(
+            self.num_layers * math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+            for shape, dtype in zip(self.conv_shapes, self.conv_dtypes)
+        )
+        temporal = (
+            self.num_layers
+            * math.prod(self.temporal_shape)
+            * torch.empty((), dtype=self.temporal_dtype).element_size()
+        )
+        return conv + temporal
+
+
+class StateCheckpointPool:
+    def __init__(self, layout: StateLayout, num_slots: int, device: str | torch.device):
+        if num_slots < 0:
+            raise ValueError(f"checkpoint slots must be >= 0, got {num_slots}")
+        self.layout = layout
+        self.num_slots = num_slots
+        self.device = torch.device(device)
+        rows = num_slots + 1  # row 0 is the reserved dummy slot
+        self.conv: List[torch.Tensor] = [
+            torch.zeros((layout.num_layers, rows, *shape), dtype=dtype, device=self.device)
+            for shape, dtype in zip(layout.conv_shapes, layout.conv_dtypes)
+        ]
+        self.temporal = torch.zeros(
+            (layout.num_layers, rows, *layout.temporal_shape),
+            dtype=layout.temporal_dtype,
+            device=self.device,
+        )
+        self.allocator = MambaSlotAllocator(size=num_slots, device=self.device)
+
+    @classmethod
+    def for_mamba_pool(cls, mamba_pool, num_slots: int) -> "StateCheckpointPool":
+        return cls(StateLayout.of_mamba_pool(mamba_pool), num_slots, mamba_pool.device)
+
+    @staticmethod
+    def slots_for_memory(mamba_pool, memory_bytes: int) -> int:
+        """How many checkpoint slots fit in ``memory_bytes`` (the reserved row included)."""
+        per_slot = StateLayout.of_mamba_pool(mamba_pool).bytes_per_slot
+        return max(0, memory_bytes // per_slot - 1)
+
+    # ---- slot lifecycle ----
+
+    def alloc(self, n: int = 1) -> Optional[torch.Tensor]:
+        return self.allocator.alloc(n)
+
+    def free(self, slots: torch.Tensor) -> None:
+        self.allocator.free(slots.view(-1).to(torch.int64))
+
+    def available_size(self) -> int:
+        return self.allocator.available_size()
+
+    def used_size(self) -> int:
+        return self.num_slots - self.available_size()
+
+    def free_slot_ids(self) -> Sequence[int]:
+        return self.allocator.free_slots.tolist()
+
+    def clear(self) -> None:
+        self.allocator.clear()
+
+    def mem_usage_bytes(self) -> int:
+        return sum(c.numel() * c.element_size() for c in self.conv) + (
+            self.temporal.numel() * self.temporal.element_size()
+        )
+
+    # ---- state transfer with the live requests' MambaPool ----
+
+    def store_from_active(
+        self, active_mamba_pool, active_slots: torch.Tensor, ckpt_slots: torch.Tensor
+    ) -> None:
+        """Snapshot: copy live states into checkpoint slots (all layers, conv + temporal)."""
+        cache = active_mamba_pool.mamba_cache
+        self._copy(
+            cache.conv, cache.temporal, self.conv, self.temporal,
+            active_slots.view(-1), ckpt_slots.view(-1),
+        )
+
+    def load_to_active(
+        self, active_mamba_pool, ckpt_slots: torch.Tensor, active_slots: torch.Tensor
+    ) -> None:
+        """Restore: copy checkpoints into live slots; the checkpoints themselves are only read."""
+        cache = active_mamba_pool.mamba_cache
+        self._copy(
+            self.conv, self.temporal, cache.conv, cache.temporal,
+            ckpt_slots.view(-1), active_slots.view(-1),
+        )
+
+    def _copy(self, src_conv, src_temporal, dst_conv, dst_temporal, src_slots, dst_slots):
+        # The Triton kernel needs a GPU, or the interpreter on CPU (tests, the reference
+        # engine); a CPU process without the interpreter takes the torch reference, which
+        # the kernel tests hold bit-identical to it.
+        if self.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+            copy_states_reference(
+                src_conv, src_temporal, dst_conv, dst_temporal, src_slots, dst_slots
+            )
+        else:
+            copy_states(
+                src_conv, src_temporal, dst_conv, dst_temporal, src_slots, dst_slots,
+                check_slots=False,
+            )

@@ -1,0 +1,320 @@
+"""SemanticStateCache: SGLang's unified radix cache with recurrent-state checkpoints at anchors.
+
+What differs from the stock ``UnifiedRadixCache`` (FULL + MAMBA):
+
+* Checkpoints live in a ``StateCheckpointPool`` installed as the request pool's
+  ``mamba_ckpt_pool``; a tree node's MAMBA value is a checkpoint slot, never a live
+  request's slot. Caching a request snapshots its state (a copy), and the live slot goes
+  back to the request pool; a hit restores by copy into the request's own slot (deferred to
+  the forward stream by SGLang's copy-on-write path), so a cached checkpoint is only read.
+* A request can carry checkpoints taken inside its prefill (at semantic anchors, by the
+  runtime capture); ``checkpoint_into_tree`` attaches each one at its depth, splitting the
+  node there. The stock cache can hold a state only at the end of what it inserts.
+* Checkpoint recency is refreshed only on the node a request actually restores from (a
+  ``cow_mamba`` match), not on probe matches the scheduler makes for ordering.
+* An exhausted checkpoint pool degrades to "no checkpoint here"; the KV is inserted all the
+  same and the request is never failed. Evicting checkpoints cannot give a live request a
+  state slot, so eviction requests for live slots never touch the checkpoints.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Optional
+
+import torch
+
+from sglang.srt.mem_cache.base_prefix_cache import (
+    EvictParams,
+    EvictResult,
+    InsertParams,
+    InsertResult,
+    MatchPrefixParams,
+    MatchResult,
+)
+from sglang.srt.mem_cache.radix_cache import RadixKey
+from sglang.srt.mem_cache.unified_cache.components.base import (
+    ComponentType,
+    EvictLayer,
+    LRURefreshPhase,
+    get_and_increase_time_counter,
+)
+from sglang.srt.mem_cache.unified_cache.components.mamba import MambaComponent
+from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
+
+from sglang_hybrid.cache.checkpoint_pool import StateCheckpointPool
+
+if TYPE_CHECKING:
+    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+    from sglang.srt.mem_cache.unified_cache.cache_action import (
+        CacheAction,
+        ComponentAction,
+    )
+    from sglang.srt.mem_cache.unified_radix_cache import UnifiedTreeNode
+
+logger = logging.getLogger(__name__)
+
+MAMBA = ComponentType.MAMBA
+
+
+@dataclass
+class CheckpointStats:
+    """Cumulative counters; read them from ``SemanticStateCache.stats``."""
+
+    taken: int = 0  # checkpoints attached to the tree
+    restored: int = 0  # requests that started from a checkpoint
+    evicted: int = 0  # checkpoints dropped by checkpoint LRU eviction
+    dropped_with_kv: int = 0  # checkpoints dropped because their node's KV was evicted
+    duplicates: int = 0  # snapshots not attached because the node already had one
+    exhausted: int = 0  # snapshots skipped because no slot could be had
+    tokens_restored: int = 0  # prompt tokens skipped thanks to a restore
+    tokens_recomputed: int = 0  # prompt tokens the admitted requests had to prefill
+    restored_depths: list[int] = field(default_factory=list, repr=False)
+
+    def as_dict(self) -> dict[str, int]:
+        return {k: v for k, v in vars(self).items() if k != "restored_depths"}
+
+
+class SemanticMambaComponent(MambaComponent):
+    """The MAMBA tree component whose node values are ``StateCheckpointPool`` slots."""
+
+    def __init__(self, cache: "SemanticStateCache", params: "CacheInitParams"):
+        super().__init__(cache, params)
+        if not isinstance(self.int8_ckpt_pool, StateCheckpointPool):
+            raise TypeError(
+                "SemanticMambaComponent needs a StateCheckpointPool installed as "
+                "req_to_token_pool.mamba_ckpt_pool (the semantic backend factory does this)"
+            )
+
+    @property
+    def checkpoint_pool(self) -> StateCheckpointPool:
+        return self.int8_ckpt_pool
+
+    def refresh_lru(self, phase, node, root_node) -> None:
+        # Probe matches (scheduling order, cache-aware routing) must not keep a checkpoint
+        # alive; the restore in finalize_match_result_in_cache refreshes the one it uses.
+        if phase is LRURefreshPhase.MATCH_END:
+            return
+        super().refresh_lru(phase, node, root_node)
+
+    def finalize_match_result_in_cache(
+        self, params: MatchPrefixParams, result: MatchResult
+    ) -> MatchResult:
+        result = super().finalize_match_result_in_cache(params, result)
+        if not params.cow_mamba or params.req is None:
+            return result
+        node = self.tree_core.node_by_id(result.best_match_node)
+        stats = self.cache.stats
+        prompt_len = len(params.req.origin_input_ids)
+        if node.component_data[MAMBA].value is not None:
+            self.tree_core.lru_lists[MAMBA].reset_node_mru(node)
+            node.last_access_time = get_and_increase_time_counter()
+            stats.restored += 1
+            stats.tokens_restored += result.device_prefix_len
+            stats.restored_depths.append(result.device_prefix_len)
+        stats.tokens_recomputed += max(0, prompt_len - result.device_prefix_len)
+        return result
+
+    def _alloc_int8_ckpt_slot(self) -> Optional[torch.Tensor]:
+        return self.cache.alloc_checkpoint_slot()
+
+    def _commit_int8_checkpoint(self, active_slots: torch.Tensor) -> Optional[torch.Tensor]:
+        slot = self._alloc_int8_ckpt_slot()
+        if slot is None:
+            return None
+        self.checkpoint_pool.store_from_active(
+            self.cache.req_to_token_pool.mamba_pool, active_slots.view(-1), slot
+        )
+        return slot
+
+    def commit_insert_component_data(
+        self,
+        node: "UnifiedTreeNode",
+        is_new_leaf: bool,
+        params: InsertParams,
+        result: InsertResult,
+        cache_actions: list,
+    ) -> None:
+        if params.mamba_value is None:
+            # No slot could be had: the KV goes in without a state, the same as a node
+            # whose checkpoint was evicted.
+            return
+        had_value = node.component_data[MAMBA].value is not None
+        super().commit_insert_component_data(
+            node, is_new_leaf, params, result, cache_actions
+        )
+        if had_value:
+            self.cache.stats.duplicates += 1
+        else:
+            self.cache.stats.taken += 1
+
+    def evict_component(
+        self, node, device_frees, host_frees, cache_actions, target=EvictLayer.DEVICE
+    ):
+        held = node.component_data[MAMBA].value is not None
+        freed = super().evict_component(node, device_frees, host_frees, cache_actions, target)
+        if held and node.component_data[MAMBA].value is None and not self._lru_victim_walk:
+            self.cache.stats.dropped_with_kv += 1
+        return freed
+
+    def _evict_device_next_node(self, tracker, device_frees, host_frees, cache_actions):
+        """Tombstone the least recently restored unlocked checkpoint, keeping its KV.
+
+        The stock walk deletes a leaf whole (KV included) when its state is the victim;
+        here a checkpoint victim only loses its slot, the KV stays matchable.
+        """
+        lru = self.tree_core.lru_lists[MAMBA]
+        cursor = self._evict_device_cursor
+        if cursor is None or not lru.in_list(cursor):
+            cursor = lru.get_lru_no_lock()
+        if tracker[MAMBA] >= self._evict_device_request_cnt or cursor is None:
+            self._evict_device_cursor = None
+            return None
+        self._evict_device_cursor = lru.get_prev_no_lock(cursor)
+        self._lru_victim_walk = True
+        try:
+            self.tree_core._evict_component_and_detach_lru(
+                cursor,
+                self,
+                target=EvictLayer.DEVICE,
+                tracker=tracker,
+                device_frees=device_frees,
+                host_frees=host_frees,
+                cache_actions=cache_actions,
+            )
+        finally:
+            self._lru_victim_walk = False
+        self.tree_core._update_evictable_leaf_sets(cursor)
+        self.cache.stats.evicted += 1
+        return None
+
+
+class SemanticStateCache(UnifiedRadixCache):
+    def __init__(self, params: "CacheInitParams"):
+        pool = getattr(params.req_to_token_pool, "mamba_ckpt_pool", None)
+        if not isinstance(pool, StateCheckpointPool):
+            raise TypeError(
+                "SemanticStateCache needs req_to_token_pool.mamba_ckpt_pool to be a "
+                "StateCheckpointPool; build it through the 'semantic' radix cache backend"
+            )
+        self.checkpoint_pool = pool
+        self.stats = CheckpointStats()
+        # Set while the cache evicts checkpoints for its own slot allocation, so the
+        # component can tell an LRU checkpoint eviction from a KV eviction dropping one.
+        self.evicting_checkpoints = False
+        # rid -> [(depth, slot)]: checkpoints captured inside a prefill, not yet in the tree.
+        self._staged: dict[str, list[tuple[int, torch.Tensor]]] = {}
+        super().__init__(params)
+
+    # ---- checkpoint slots ----
+
+    def alloc_checkpoint_slot(self) -> Optional[torch.Tensor]:
+        """One free checkpoint slot, evicting the least recently restored one if needed.
+
+        None when every slot is held by a locked node or a staged capture: the caller
+        then keeps no checkpoint, it never fails the request.
+        """
+        slot = self.checkpoint_pool.alloc(1)
+        if slot is None and self.checkpoint_pool.num_slots > 0:
+            self.evict_checkpoints(1)
+            slot = self.checkpoint_pool.alloc(1)
+        if slot is None:
+            self.stats.exhausted += 1
+        return slot
+
+    def evict_checkpoints(self, num: int) -> int:
+        """Drop ``num`` unlocked checkpoints in LRU order, keeping their KV."""
+        self.evicting_checkpoints = True
+        try:
+            return super().evict(EvictParams(num_tokens=0, mamba_num=num)).mamba_num_evicted
+        finally:
+            self.evicting_checkpoints = False
+
+    def evict(self, params: EvictParams) -> EvictResult:
+        return super().evict(self._without_live_state_request(params))
+
+    def evict_for_alloc(self, params: EvictParams, **kwargs) -> EvictResult:
+        return super().evict_for_alloc(self._without_live_state_request(params), **kwargs)
+
+    def _without_live_state_request(self, params: EvictParams) -> EvictParams:
+        # Outside evict_checkpoints, mamba_num asks for live request slots; the tree holds
+        # none of those, so dropping checkpoints would lose cache and free nothing useful.
+        if self.evicting_checkpoints or params.mamba_num == 0:
+            return params
+        return replace(params, mamba_num=0)
+
+    # ---- checkpoints captured inside a prefill ----
+
+    def stage_checkpoint(self, req: "Req", depth: int, slot: torch.Tensor) -> None:
+        """Hand over a checkpoint slot holding ``req``'s state after its first ``depth`` tokens.
+
+        It is attached to the tree when the request's KV up to ``depth`` is inserted
+        (``checkpoint_into_tree``); if it never is (abort, truncation), ``on_release``
+        frees the slot.
+        """
+        if depth <= 0:
+            self.checkpoint_pool.free(slot)
+            raise ValueError(f"checkpoint depth must be positive, got {depth}")
+        self._staged.setdefault(req.rid, []).append((depth, slot.view(-1)))
+
+    def staged_slots(self) -> int:
+        return sum(len(v) for v in self._staged.values())
+
+    def checkpoint_into_tree(self, req: "Req", *, up_to: int, **kwargs) -> None:
+        super().checkpoint_into_tree(req, up_to=up_to, **kwargs)
+        staged = self._staged.get(req.rid)
+        if not staged or self.disable:
+            return
+        inserted = req.kv.cache_protected_len
+        keep: list[tuple[int, torch.Tensor]] = []
+        token_ids = req.full_untruncated_fill_ids
+        for depth, slot in sorted(staged, key=lambda item: item[0]):
+            if depth > inserted:
+                keep.append((depth, slot))
+                continue
+            self._attach_checkpoint(req, token_ids, depth, slot)
+        if keep:
+            self._staged[req.rid] = keep
+        else:
+            del self._staged[req.rid]
+
+    def _attach_checkpoint(self, req: "Req", token_ids, depth: int, slot: torch.Tensor) -> None:
+        key = RadixKey(
+            token_ids[:depth],
+            req.extra_key,
+            is_bigram=self.tree_core.is_eagle,
+            cache_salt=req.cache_salt,
+        )
+        values = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx, :depth].to(
+            dtype=torch.int64, copy=True
+        )
+        # The KV of [0, depth) is already in the tree (this request's row points at the
+        # tree's indices), so prev_prefix_len=depth keeps the insert from freeing any of
+        # it as duplicates; the walk only splits the node at ``depth`` and attaches.
+        result = self.insert(
+            InsertParams(
+                key=key,
+                value=values,
+                mamba_value=slot,
+                prev_prefix_len=depth,
+                inserted_len=depth,
+                priority=req.priority or 0,
+                session_id=req.session_id,
+                rotation_base=req.kv_rotation_base,
+            )
+        )
+        if result.mamba_exist:
+            self.checkpoint_pool.free(slot)
+
+    def on_release(self, req: "Req", *, checkpointed: bool) -> None:
+        for _, slot in self._staged.pop(req.rid, ()):
+            self.checkpoint_pool.free(slot)
+        super().on_release(req, checkpointed=checkpointed)
+
+    def reset(self) -> None:
+        super().reset()
+        if hasattr(self, "_staged"):
+            self._staged.clear()
+            self.checkpoint_pool.clear()

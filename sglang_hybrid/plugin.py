@@ -1,0 +1,82 @@
+"""SGLang plugin: registers the ``semantic`` radix cache backend.
+
+SGLang calls ``register`` in every process that may build a tree cache (the scheduler of
+each TP rank, the engine), through the ``sglang.srt.plugins`` entry point; a server then
+selects the backend with ``--radix-cache-backend semantic``.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from sglang.srt.mem_cache.registry import (
+    TreeCacheBuildContext,
+    create_unified_radix_cache,
+    register_radix_cache_backend,
+    registered_radix_cache_backends,
+)
+from sglang.srt.mem_cache.unified_cache.components.base import ComponentType
+from sglang.srt.runtime_context import get_exec
+
+from sglang_hybrid.cache.checkpoint_pool import StateCheckpointPool, StateLayout
+from sglang_hybrid.cache.semantic_cache import SemanticMambaComponent, SemanticStateCache
+from sglang_hybrid.config import SemanticCacheConfig
+
+logger = logging.getLogger(__name__)
+
+BACKEND_NAME = "semantic"
+
+
+def register() -> None:
+    if BACKEND_NAME not in registered_radix_cache_backends():
+        register_radix_cache_backend(BACKEND_NAME, build_semantic_state_cache)
+
+
+def build_semantic_state_cache(ctx: TreeCacheBuildContext) -> SemanticStateCache:
+    _check_supported(ctx)
+    config = SemanticCacheConfig.from_env()
+    req_to_token_pool = ctx.params.req_to_token_pool
+    mamba_pool = req_to_token_pool.mamba_pool
+    layout = StateLayout.of_mamba_pool(mamba_pool)
+    num_slots = config.checkpoint_slots(layout.bytes_per_slot)
+    req_to_token_pool.mamba_ckpt_pool = StateCheckpointPool(layout, num_slots, mamba_pool.device)
+    logger.info(
+        "semantic state cache: %d checkpoint slots of %.1f MiB (%.2f GiB), "
+        "separate from the %d live-request state slots",
+        num_slots,
+        layout.bytes_per_slot / (1 << 20),
+        num_slots * layout.bytes_per_slot / (1 << 30),
+        mamba_pool.size,
+    )
+    ctx.params.component_registry_override = {
+        **(ctx.params.component_registry_override or {}),
+        ComponentType.MAMBA: SemanticMambaComponent,
+    }
+    return create_unified_radix_cache(ctx, cache_class=SemanticStateCache)
+
+
+def _check_supported(ctx: TreeCacheBuildContext) -> None:
+    if not ctx.is_hybrid_ssm:
+        raise ValueError(
+            "--radix-cache-backend semantic caches recurrent-state checkpoints and needs a "
+            "hybrid model with Mamba/GDN layers; drop the flag for this model"
+        )
+    if ctx.enable_hierarchical_cache:
+        raise ValueError(
+            "--radix-cache-backend semantic does not support --enable-hierarchical-cache yet"
+        )
+    if ctx.params.enable_session_radix_cache:
+        raise ValueError(
+            "--radix-cache-backend semantic does not support --enable-session-radix-cache"
+        )
+    if getattr(ctx.params.req_to_token_pool, "mamba_ckpt_pool", None) is not None:
+        raise ValueError(
+            "--radix-cache-backend semantic keeps its own checkpoint pool; "
+            "drop --enable-int8-mamba-checkpoint"
+        )
+    mamba = get_exec().mamba
+    if mamba.mamba_max_states_per_path >= 0:
+        raise ValueError(
+            "--mamba-max-states-per-path prunes checkpoints by depth; the semantic backend "
+            "sizes them with --state-checkpoint-slots instead"
+        )
