@@ -1,0 +1,477 @@
+"""Semantic anchors: token positions where agent frameworks edit prompt history.
+
+An anchor at position ``p`` names the recurrent state after consuming tokens ``[0, p)``, so a
+``MESSAGE_START`` anchor is the index of the message's first special token: a checkpoint taken
+there survives any edit of that message or of anything after it.
+
+Detection works from token ids alone. Every family marks message structure with special
+tokens that sit in one contiguous id range, so the hot path is a single vectorized comparison
+over the ids; all further work happens on the few special-token positions it finds.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from enum import IntEnum
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from sglang_hybrid.anchors import tokenizers as tok
+
+logger = logging.getLogger(__name__)
+
+
+class AnchorKind(IntEnum):
+    SYSTEM_END = 0
+    MESSAGE_START = 1
+    TOOL_RESULT_START = 2
+    ASSISTANT_START = 3
+    REASONING_START = 4
+    REASONING_END = 5
+    PROMPT_END = 6
+    GENERATION_END = 7
+
+    @property
+    def label(self) -> str:
+        return self.name.lower()
+
+
+class Role(IntEnum):
+    """Role of the message an anchor belongs to; NONE for anchors that are not message starts."""
+
+    NONE = 0
+    SYSTEM = 1
+    USER = 2
+    ASSISTANT = 3
+    TOOL = 4
+    OTHER = 5  # a structural block with no chat role, e.g. Mistral's [AVAILABLE_TOOLS]
+
+    @property
+    def label(self) -> str | None:
+        return None if self is Role.NONE else self.name.lower()
+
+
+@dataclass(frozen=True)
+class Anchor:
+    position: int
+    kind: AnchorKind
+    role: str | None = None
+
+
+@dataclass(frozen=True, eq=False)
+class Anchors:
+    """Detected anchors as parallel arrays sorted by (position, kind).
+
+    Several kinds may share a position (a system block's end is the next message's start);
+    consumers that only need positions take ``unique_positions()``.
+    """
+
+    positions: np.ndarray  # int64
+    kinds: np.ndarray  # int8, AnchorKind values
+    roles: np.ndarray  # int8, Role values
+
+    def __len__(self) -> int:
+        return int(self.positions.shape[0])
+
+    def to_list(self) -> list[Anchor]:
+        return [
+            Anchor(int(p), AnchorKind(int(k)), Role(int(r)).label)
+            for p, k, r in zip(self.positions, self.kinds, self.roles)
+        ]
+
+    def of_kind(self, kind: AnchorKind) -> np.ndarray:
+        return self.positions[self.kinds == kind]
+
+    def unique_positions(self) -> np.ndarray:
+        return np.unique(self.positions)
+
+    def last_at_or_before(self, position: int) -> int | None:
+        """The deepest anchor position <= ``position`` (where a restore could start), or None."""
+        index = int(np.searchsorted(self.positions, position, side="right")) - 1
+        return int(self.positions[index]) if index >= 0 else None
+
+
+def _empty() -> np.ndarray:
+    return np.empty(0, dtype=np.int64)
+
+
+class _Collector:
+    """Accumulates (positions, kind, roles) groups and sorts them once at the end."""
+
+    def __init__(self) -> None:
+        self._positions: list[np.ndarray] = []
+        self._kinds: list[np.ndarray] = []
+        self._roles: list[np.ndarray] = []
+
+    def add(self, positions: np.ndarray, kind: AnchorKind, roles: np.ndarray | Role = Role.NONE) -> None:
+        positions = np.asarray(positions, dtype=np.int64)
+        if positions.size == 0:
+            return
+        self._positions.append(positions)
+        self._kinds.append(np.full(positions.shape, int(kind), dtype=np.int8))
+        if isinstance(roles, Role):
+            self._roles.append(np.full(positions.shape, int(roles), dtype=np.int8))
+        else:
+            self._roles.append(np.asarray(roles, dtype=np.int8))
+
+    def build(self) -> Anchors:
+        positions = np.concatenate(self._positions)
+        kinds = np.concatenate(self._kinds)
+        roles = np.concatenate(self._roles)
+        order = np.lexsort((kinds, positions))
+        return Anchors(positions[order], kinds[order], roles[order])
+
+
+class _Grammar:
+    """Where one template family puts its anchors, given the positions of its special tokens."""
+
+    family: str
+    # Half-open id range holding every special token the grammar looks at.
+    special_lo: int
+    special_hi: int
+
+    def find(self, ids: np.ndarray, pos: np.ndarray, toks: np.ndarray, out: _Collector) -> None:
+        raise NotImplementedError
+
+
+def _next_token(ids: np.ndarray, pos: np.ndarray, offset: int) -> np.ndarray:
+    """ids[pos + offset], with -1 past the end (a message header cut off by the prompt end)."""
+    index = pos + offset
+    last = ids.shape[0] - 1
+    return np.where(index <= last, ids[np.minimum(index, last)], -1)
+
+
+def _as_ids(token_ids: Sequence[int] | np.ndarray) -> np.ndarray:
+    ids = np.asarray(token_ids)
+    # An empty Python list becomes a float array; keep every id array integral.
+    return ids if ids.dtype.kind in "iu" else ids.astype(np.int64)
+
+
+def _first_after(sorted_candidates: np.ndarray, pos: int) -> int | None:
+    index = int(np.searchsorted(sorted_candidates, pos, side="right"))
+    return int(sorted_candidates[index]) if index < sorted_candidates.shape[0] else None
+
+
+class _ChatMLGrammar(_Grammar):
+    """``<|im_start|>{role}\\n ... <|im_end|>\\n``; Qwen tool results are user messages whose
+    content is one or more ``<tool_response>`` blocks."""
+
+    def __init__(self, family: str, special_ids: Mapping[str, int], role_ids: Mapping[str, int], newline_id: int):
+        self.family = family
+        self.im_start = special_ids["<|im_start|>"]
+        self.im_end = special_ids["<|im_end|>"]
+        self.tool_response = special_ids["<tool_response>"]
+        self.think = special_ids["<think>"]
+        self.end_think = special_ids["</think>"]
+        self.newline = newline_id
+        self.role_ids = {Role[name.upper()]: token for name, token in role_ids.items()}
+        self.special_lo = min(special_ids.values())
+        self.special_hi = max(special_ids.values()) + 1
+
+    def find(self, ids, pos, toks, out):
+        n = ids.shape[0]
+        starts = pos[toks == self.im_start]
+        role_tok = _next_token(ids, starts, 1)
+        roles = np.full(starts.shape, int(Role.OTHER), dtype=np.int8)
+        for role, token in self.role_ids.items():
+            roles[role_tok == token] = int(role)
+        wraps_tool_response = (roles == Role.USER) & (_next_token(ids, starts, 3) == self.tool_response)
+        roles[wraps_tool_response] = int(Role.TOOL)
+        out.add(starts, AnchorKind.MESSAGE_START, roles)
+
+        # Content starts after "<|im_start|>assistant\n"; the newline can merge into "\n\n"
+        # when content itself starts with one, and then the anchor sits one token early.
+        assistant = starts[roles == Role.ASSISTANT]
+        header_len = 2 + (_next_token(ids, assistant, 2) == self.newline)
+        out.add(np.minimum(assistant + header_len, n), AnchorKind.ASSISTANT_START, Role.ASSISTANT)
+
+        out.add(pos[toks == self.tool_response], AnchorKind.TOOL_RESULT_START, Role.TOOL)
+        out.add(pos[toks == self.think], AnchorKind.REASONING_START)
+        out.add(pos[toks == self.end_think] + 1, AnchorKind.REASONING_END)
+
+        if starts.size and roles[0] == Role.SYSTEM:
+            end = _first_after(pos[toks == self.im_end], int(starts[0]))
+            if end is not None:
+                after = end + 1 + int(end + 1 < n and ids[end + 1] == self.newline)
+                out.add(np.array([after]), AnchorKind.SYSTEM_END, Role.SYSTEM)
+
+
+class _Llama3Grammar(_Grammar):
+    """``<|start_header_id|>{role}<|end_header_id|>\\n\\n ... <|eot_id|>``; tool results use the
+    ``ipython`` header (any role other than system/user/assistant counts as a tool result)."""
+
+    family = "llama3"
+    special_lo, special_hi = tok.LLAMA3_SPECIAL_RANGE
+
+    def __init__(self):
+        ids = tok.LLAMA3_SPECIAL_IDS
+        self.start_header = ids["<|start_header_id|>"]
+        self.eot = ids["<|eot_id|>"]
+        self.role_ids = {Role[name.upper()]: token for name, token in tok.LLAMA3_ROLE_IDS.items()}
+
+    def find(self, ids, pos, toks, out):
+        n = ids.shape[0]
+        starts = pos[toks == self.start_header]
+        role_tok = _next_token(ids, starts, 1)
+        roles = np.full(starts.shape, int(Role.TOOL), dtype=np.int8)
+        for role, token in self.role_ids.items():
+            roles[role_tok == token] = int(role)
+        out.add(starts, AnchorKind.MESSAGE_START, roles)
+        out.add(starts[roles == Role.TOOL], AnchorKind.TOOL_RESULT_START, Role.TOOL)
+
+        # "<|start_header_id|>assistant<|end_header_id|>\n\n": the role word is one token.
+        assistant = starts[roles == Role.ASSISTANT]
+        header_len = 3 + (_next_token(ids, assistant, 3) == tok.LLAMA3_DOUBLE_NEWLINE_ID)
+        out.add(np.minimum(assistant + header_len, n), AnchorKind.ASSISTANT_START, Role.ASSISTANT)
+
+        if starts.size and roles[0] == Role.SYSTEM:
+            end = _first_after(pos[toks == self.eot], int(starts[0]))
+            if end is not None:
+                out.add(np.array([end + 1]), AnchorKind.SYSTEM_END, Role.SYSTEM)
+
+
+class _DeepSeekGrammar(_Grammar):
+    """``<BOS>{system}<｜User｜>...<｜Assistant｜>...<｜end▁of▁sentence｜>``, tool outputs in
+    ``<｜tool▁outputs▁begin｜><｜tool▁output▁begin｜>...`` blocks after which the assistant
+    continues without a new ``<｜Assistant｜>`` token."""
+
+    def __init__(self, family: str, special_ids: Mapping[str, int]):
+        self.family = family
+        self.user = special_ids["<｜User｜>"]
+        self.assistant = special_ids["<｜Assistant｜>"]
+        self.outputs_begin = special_ids["<｜tool▁outputs▁begin｜>"]
+        self.outputs_end = special_ids["<｜tool▁outputs▁end｜>"]
+        self.output_begin = special_ids["<｜tool▁output▁begin｜>"]
+        self.think = special_ids["<think>"]
+        self.end_think = special_ids["</think>"]
+        self.special_lo, self.special_hi = tok.DEEPSEEK_V3_SPECIAL_RANGE
+
+    def find(self, ids, pos, toks, out):
+        n = ids.shape[0]
+        users = pos[toks == self.user]
+        assistants = pos[toks == self.assistant]
+        outputs = pos[toks == self.outputs_begin]
+        out.add(users, AnchorKind.MESSAGE_START, Role.USER)
+        out.add(assistants, AnchorKind.MESSAGE_START, Role.ASSISTANT)
+        out.add(outputs, AnchorKind.MESSAGE_START, Role.TOOL)
+        out.add(pos[toks == self.output_begin], AnchorKind.TOOL_RESULT_START, Role.TOOL)
+        out.add(np.minimum(assistants + 1, n), AnchorKind.ASSISTANT_START, Role.ASSISTANT)
+        out.add(np.minimum(pos[toks == self.outputs_end] + 1, n), AnchorKind.ASSISTANT_START, Role.ASSISTANT)
+        out.add(pos[toks == self.think], AnchorKind.REASONING_START)
+        out.add(pos[toks == self.end_think] + 1, AnchorKind.REASONING_END)
+        # The system prompt is plain text between BOS and the first user turn.
+        if users.size and users[0] > 1:
+            out.add(users[:1], AnchorKind.SYSTEM_END, Role.SYSTEM)
+
+
+class _MistralGrammar(_Grammar):
+    """``[INST]...[/INST]{answer}</s>``, ``[TOOL_RESULTS]...[/TOOL_RESULTS]``, the tool list in
+    ``[AVAILABLE_TOOLS]`` (re-placed before the last user turn), optional ``[SYSTEM_PROMPT]``."""
+
+    def __init__(self, family: str, control_ids: Mapping[str, int]):
+        self.family = family
+        self.ids = dict(control_ids)
+        self.special_lo = 0
+        self.special_hi = max(self.ids.values()) + 1
+
+    def _at(self, pos, toks, name: str) -> np.ndarray:
+        token = self.ids.get(name)
+        return pos[toks == token] if token is not None else _empty()
+
+    def find(self, ids, pos, toks, out):
+        n = ids.shape[0]
+        out.add(self._at(pos, toks, "[SYSTEM_PROMPT]"), AnchorKind.MESSAGE_START, Role.SYSTEM)
+        out.add(self._at(pos, toks, "[AVAILABLE_TOOLS]"), AnchorKind.MESSAGE_START, Role.OTHER)
+        out.add(self._at(pos, toks, "[INST]"), AnchorKind.MESSAGE_START, Role.USER)
+        tool_results = self._at(pos, toks, "[TOOL_RESULTS]")
+        out.add(tool_results, AnchorKind.MESSAGE_START, Role.TOOL)
+        out.add(tool_results, AnchorKind.TOOL_RESULT_START, Role.TOOL)
+        # The assistant speaks right after a user turn or after tool results.
+        for closer in ("[/INST]", "[/TOOL_RESULTS]"):
+            out.add(np.minimum(self._at(pos, toks, closer) + 1, n), AnchorKind.ASSISTANT_START, Role.ASSISTANT)
+        out.add(self._at(pos, toks, "[THINK]"), AnchorKind.REASONING_START)
+        out.add(self._at(pos, toks, "[/THINK]") + 1, AnchorKind.REASONING_END)
+        system_end = self._at(pos, toks, "[/SYSTEM_PROMPT]")[:1] + 1
+        out.add(system_end, AnchorKind.SYSTEM_END, Role.SYSTEM)
+
+
+# Control-token ids of the two Mistral tokenizer generations in use (mistral-common 1.13:
+# tekken_240911.json and mistral_instruct_tokenizer_241114.model.v7; tests check them).
+MISTRAL_TEKKEN_CONTROL_IDS: dict[str, int] = {
+    "[INST]": 3, "[/INST]": 4, "[AVAILABLE_TOOLS]": 5, "[/AVAILABLE_TOOLS]": 6,
+    "[TOOL_RESULTS]": 7, "[/TOOL_RESULTS]": 8, "[TOOL_CALLS]": 9,
+    "[SYSTEM_PROMPT]": 17, "[/SYSTEM_PROMPT]": 18,
+}  # fmt: skip
+MISTRAL_SPM_CONTROL_IDS: dict[str, int] = {
+    "[INST]": 3, "[/INST]": 4, "[TOOL_CALLS]": 5, "[AVAILABLE_TOOLS]": 6, "[/AVAILABLE_TOOLS]": 7,
+    "[TOOL_RESULTS]": 8, "[/TOOL_RESULTS]": 9, "[SYSTEM_PROMPT]": 16, "[/SYSTEM_PROMPT]": 17,
+}  # fmt: skip
+
+# DeepSeek-V3.2 moved <think>/</think> (see tokenizers.DEEPSEEK_V3_SPECIAL_IDS).
+DEEPSEEK_V32_SPECIAL_IDS: dict[str, int] = {
+    **tok.DEEPSEEK_V3_SPECIAL_IDS,
+    "<think>": 128821,
+    "</think>": 128822,
+}
+
+
+def _grammar_for(family: str) -> _Grammar:
+    if family in ("chatml", "qwen3"):
+        return _ChatMLGrammar("chatml", tok.QWEN3_SPECIAL_IDS, tok.QWEN3_ROLE_IDS, tok.QWEN3_NEWLINE_ID)
+    if family == "qwen3_5":
+        return _ChatMLGrammar("qwen3_5", tok.QWEN3_5_SPECIAL_IDS, tok.QWEN3_5_ROLE_IDS, tok.QWEN3_5_NEWLINE_ID)
+    if family == "llama3":
+        return _Llama3Grammar()
+    if family in ("deepseek", "deepseek_v3"):
+        return _DeepSeekGrammar("deepseek", tok.DEEPSEEK_V3_SPECIAL_IDS)
+    if family == "deepseek_v32":
+        return _DeepSeekGrammar("deepseek_v32", DEEPSEEK_V32_SPECIAL_IDS)
+    if family in ("mistral", "mistral_tekken"):
+        return _MistralGrammar("mistral", MISTRAL_TEKKEN_CONTROL_IDS)
+    if family == "mistral_spm":
+        return _MistralGrammar("mistral_spm", MISTRAL_SPM_CONTROL_IDS)
+    raise ValueError(f"unknown template family {family!r}; known: {', '.join(KNOWN_FAMILIES)}")
+
+
+KNOWN_FAMILIES: tuple[str, ...] = (
+    "chatml", "qwen3", "qwen3_5", "llama3", "deepseek", "deepseek_v3", "deepseek_v32",
+    "mistral", "mistral_tekken", "mistral_spm",
+)  # fmt: skip
+NO_ANCHORS = "none"
+
+# HF model_type -> (family, vocab sizes the family's ids are valid for). A model type alone is
+# not enough: Llama 2 and Llama 3 share "llama", Mistral changed tokenizers under "mistral".
+_MODEL_TYPE_FAMILIES: dict[str, tuple[tuple[str, tuple[int, ...]], ...]] = {
+    **{t: (("chatml", (151936, 152064)),) for t in (
+        "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "qwen3_next")},
+    **{t: (("qwen3_5", (248320,)),) for t in ("qwen3_5", "qwen3_5_moe")},
+    "llama": (("llama3", (128256,)),),
+    "deepseek_v3": (("deepseek", (129280,)),),
+    "deepseek_v32": (("deepseek_v32", (129280,)),),
+    **{t: (("mistral_spm", (32768,)), ("mistral", (131072,))) for t in ("mistral", "mixtral")},
+}  # fmt: skip
+
+
+class AnchorDetector:
+    """Token ids -> anchors for one chat-template family.
+
+    ``family == "none"`` is the explicit no-template mode: only PROMPT_END and GENERATION_END,
+    which need no knowledge of the template.
+    """
+
+    def __init__(self, grammar: _Grammar | None):
+        self._grammar = grammar
+        self.family = grammar.family if grammar is not None else NO_ANCHORS
+
+    @classmethod
+    def for_family(cls, name: str) -> "AnchorDetector":
+        if name == NO_ANCHORS:
+            return cls(None)
+        return cls(_grammar_for(name))
+
+    @classmethod
+    def for_mistral_tokenizer(cls, tokenizer: Any) -> "AnchorDetector":
+        """Detector using the control-token ids of a mistral-common tokenizer."""
+        ids = tok.mistral_control_ids(tokenizer)
+        if "[INST]" not in ids:
+            logger.warning("Mistral tokenizer without [INST] control token; anchor detection off")
+            return cls(None)
+        return cls(_MistralGrammar("mistral", ids))
+
+    @classmethod
+    def from_model_config(cls, config: Mapping[str, Any]) -> "AnchorDetector":
+        """Pick the family from a tokenizer_config.json dict (by its added tokens) or a model
+        config.json dict (by model_type and vocab_size). Anything not recognized exactly gets
+        the no-anchors mode, logged: a wrong family would checkpoint at meaningless places."""
+        if "added_tokens_decoder" in config:
+            family, reason = _family_from_added_tokens(config["added_tokens_decoder"])
+        else:
+            family, reason = _family_from_model_config(config)
+        if family is None:
+            logger.warning("anchor detection off (prompt_end/generation_end only): %s", reason)
+            return cls(None)
+        logger.info("anchor detection: family %s (%s)", family, reason)
+        return cls.for_family(family)
+
+    def detect(self, prompt_ids: Sequence[int] | np.ndarray, output_ids: Sequence[int] | np.ndarray | None = None) -> Anchors:
+        """Anchors of ``prompt_ids`` followed by ``output_ids`` (the request's generated tokens).
+
+        Pass numpy integer arrays on hot paths: converting a Python list costs more than the
+        detection itself.
+        """
+        prompt = _as_ids(prompt_ids)
+        prompt_len = int(prompt.shape[0])
+        if output_ids is None or len(output_ids) == 0:
+            ids, total = prompt, prompt_len
+        else:
+            ids = np.concatenate([prompt, _as_ids(output_ids)])
+            total = int(ids.shape[0])
+
+        out = _Collector()
+        grammar = self._grammar
+        if grammar is not None and total:
+            if grammar.special_lo == 0:
+                pos = np.flatnonzero(ids < grammar.special_hi)
+                toks = ids[pos]
+            else:
+                pos = np.flatnonzero(ids >= grammar.special_lo)
+                toks = ids[pos]
+                in_range = toks < grammar.special_hi
+                if not in_range.all():
+                    pos, toks = pos[in_range], toks[in_range]
+            grammar.find(ids, pos, toks, out)
+        out.add(np.array([prompt_len]), AnchorKind.PROMPT_END)
+        if total > prompt_len:
+            out.add(np.array([total]), AnchorKind.GENERATION_END)
+        return out.build()
+
+
+def _family_from_added_tokens(added: Mapping[Any, Any]) -> tuple[str | None, str]:
+    by_content = {}
+    for token_id, entry in added.items():
+        content = entry["content"] if isinstance(entry, Mapping) else str(entry)
+        by_content[content] = int(token_id)
+
+    def matches(table: Mapping[str, int], names: Sequence[str]) -> bool:
+        return all(by_content.get(name) == table[name] for name in names)
+
+    chatml_names = ("<|im_start|>", "<|im_end|>", "<tool_response>", "<think>", "</think>")
+    if "<|im_start|>" in by_content:
+        if matches(tok.QWEN3_SPECIAL_IDS, chatml_names):
+            return "chatml", "Qwen3 special tokens in added_tokens_decoder"
+        if matches(tok.QWEN3_5_SPECIAL_IDS, chatml_names):
+            return "qwen3_5", "Qwen3.5 special tokens in added_tokens_decoder"
+        return None, "ChatML tokens at ids of an unknown vocabulary (role token ids unknown)"
+    if "<|start_header_id|>" in by_content:
+        if matches(tok.LLAMA3_SPECIAL_IDS, ("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>")):
+            return "llama3", "Llama 3 header tokens in added_tokens_decoder"
+        return None, "Llama-style header tokens at unexpected ids"
+    if "<｜User｜>" in by_content:
+        structural = ("<｜User｜>", "<｜Assistant｜>", "<｜tool▁outputs▁begin｜>", "<｜tool▁output▁begin｜>")
+        if matches(tok.DEEPSEEK_V3_SPECIAL_IDS, structural + ("<think>", "</think>")):
+            return "deepseek", "DeepSeek-V3/R1 special tokens in added_tokens_decoder"
+        if matches(DEEPSEEK_V32_SPECIAL_IDS, structural + ("<think>", "</think>")):
+            return "deepseek_v32", "DeepSeek-V3.2 special tokens in added_tokens_decoder"
+        return None, "DeepSeek-style tokens at unexpected ids"
+    if "[INST]" in by_content:
+        for family, table in (("mistral", MISTRAL_TEKKEN_CONTROL_IDS), ("mistral_spm", MISTRAL_SPM_CONTROL_IDS)):
+            if matches(table, ("[INST]", "[/INST]", "[TOOL_RESULTS]", "[AVAILABLE_TOOLS]")):
+                return family, "Mistral control tokens in added_tokens_decoder"
+        return None, "Mistral-style control tokens at unexpected ids"
+    return None, "no known chat-template special tokens in added_tokens_decoder"
+
+
+def _family_from_model_config(config: Mapping[str, Any]) -> tuple[str | None, str]:
+    # Multimodal wrappers keep the language model's settings in text_config.
+    text_config = config.get("text_config") or {}
+    model_type = config.get("model_type")
+    vocab_size = config.get("vocab_size", text_config.get("vocab_size"))
+    candidates = _MODEL_TYPE_FAMILIES.get(model_type) or _MODEL_TYPE_FAMILIES.get(text_config.get("model_type"))
+    if not candidates:
+        return None, f"model_type {model_type!r} has no known chat-template family"
+    for family, vocab_sizes in candidates:
+        if vocab_size in vocab_sizes:
+            return family, f"model_type {model_type!r}, vocab_size {vocab_size}"
+    return None, f"model_type {model_type!r} with vocab_size {vocab_size} matches no known tokenizer"
