@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 
@@ -87,6 +87,9 @@ class SemanticMambaComponent(MambaComponent):
                 "SemanticMambaComponent needs a StateCheckpointPool installed as "
                 "req_to_token_pool.mamba_ckpt_pool (the semantic backend factory does this)"
             )
+        # True while this component tombstones its own eviction victim; a state dropped
+        # at any other time goes with its node's KV.
+        self._lru_victim_walk = False
 
     @property
     def checkpoint_pool(self) -> StateCheckpointPool:
@@ -160,23 +163,22 @@ class SemanticMambaComponent(MambaComponent):
         return freed
 
     def _evict_device_next_node(self, tracker, device_frees, host_frees, cache_actions):
-        """Tombstone the least recently restored unlocked checkpoint, keeping its KV.
+        """Tombstone one unlocked checkpoint, keeping its KV.
 
         The stock walk deletes a leaf whole (KV included) when its state is the victim;
-        here a checkpoint victim only loses its slot, the KV stays matchable.
+        here a checkpoint victim only loses its slot and the KV stays matchable. The victim
+        is the least recently restored checkpoint, or, when the cache has an
+        ``eviction_scorer``, the one it values least (ties go to the least recent).
         """
-        lru = self.tree_core.lru_lists[MAMBA]
-        cursor = self._evict_device_cursor
-        if cursor is None or not lru.in_list(cursor):
-            cursor = lru.get_lru_no_lock()
-        if tracker[MAMBA] >= self._evict_device_request_cnt or cursor is None:
-            self._evict_device_cursor = None
+        if tracker[MAMBA] >= self._evict_device_request_cnt:
             return None
-        self._evict_device_cursor = lru.get_prev_no_lock(cursor)
+        victim = self._pick_victim()
+        if victim is None:
+            return None
         self._lru_victim_walk = True
         try:
             self.tree_core._evict_component_and_detach_lru(
-                cursor,
+                victim,
                 self,
                 target=EvictLayer.DEVICE,
                 tracker=tracker,
@@ -186,9 +188,32 @@ class SemanticMambaComponent(MambaComponent):
             )
         finally:
             self._lru_victim_walk = False
-        self.tree_core._update_evictable_leaf_sets(cursor)
+        self.tree_core._update_evictable_leaf_sets(victim)
         self.cache.stats.evicted += 1
         return None
+
+    def _pick_victim(self) -> Optional["UnifiedTreeNode"]:
+        lru = self.tree_core.lru_lists[MAMBA]
+        node = lru.get_lru_no_lock()
+        scorer = self.cache.eviction_scorer
+        if scorer is None:
+            return node
+        best, best_score = None, None
+        while node is not None:
+            score = scorer(int(node.component_data[MAMBA].value), node_depth(node))
+            if best_score is None or score < best_score:
+                best, best_score = node, score
+            node = lru.get_prev_no_lock(node)
+        return best
+
+
+def node_depth(node: "UnifiedTreeNode") -> int:
+    """Tokens from the root to the end of ``node``: the position its checkpoint holds."""
+    depth = 0
+    while node.parent is not None:
+        depth += len(node.key)
+        node = node.parent
+    return depth
 
 
 class SemanticStateCache(UnifiedRadixCache):
@@ -204,6 +229,9 @@ class SemanticStateCache(UnifiedRadixCache):
         # Set while the cache evicts checkpoints for its own slot allocation, so the
         # component can tell an LRU checkpoint eviction from a KV eviction dropping one.
         self.evicting_checkpoints = False
+        # Optional (slot, depth) -> value of keeping that checkpoint; lower is evicted first.
+        # A planner installs it so eviction follows expected saving rather than recency.
+        self.eviction_scorer: Optional[Callable[[int, int], float]] = None
         # rid -> [(depth, slot)]: checkpoints captured inside a prefill, not yet in the tree.
         self._staged: dict[str, list[tuple[int, torch.Tensor]]] = {}
         super().__init__(params)
