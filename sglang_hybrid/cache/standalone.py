@@ -23,6 +23,7 @@ import torch
 
 from sglang.srt.configs.mamba_utils import Mamba2CacheParams
 from sglang.srt.managers.schedule_batch import FINISH_ABORT, FINISH_LENGTH, Req
+from sglang.srt.mem_cache.allocation import ensure_mamba_capacity
 from sglang.srt.mem_cache.allocator import TokenToKVPoolAllocator
 from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams, MatchResult
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams
@@ -181,6 +182,8 @@ class SchedulerDriver:
         """Match, take a request row and KV for the uncached part of prompt + output, lock."""
         result = self.match(req)
         pool = self.t.req_to_token_pool
+        if not ensure_mamba_capacity(pool, [req], self.cache):
+            raise RuntimeError("no live state slot free: too many requests in flight")
         pool.alloc([req])
         prefix = self.cache.path_device_indices(result.last_device_node)[: req.prefix_len]
         total = len(req.full_untruncated_fill_ids)
