@@ -74,6 +74,12 @@ def _check_supported(ctx: TreeCacheBuildContext) -> None:
             "--radix-cache-backend semantic keeps its own checkpoint pool; "
             "drop --enable-int8-mamba-checkpoint"
         )
+    if ctx.params.enable_mamba_extra_buffer or ctx.params.page_size != 1:
+        raise ValueError(
+            "--radix-cache-backend semantic needs --mamba-radix-cache-strategy no_buffer and "
+            "--page-size 1: checkpoints sit at anchor positions, which a page or track grid "
+            "would round away"
+        )
     mamba = get_exec().mamba
     if mamba.mamba_max_states_per_path >= 0:
         raise ValueError(

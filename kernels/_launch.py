@@ -1,0 +1,15 @@
+"""Launch helpers shared by the kernels of this package."""
+
+import contextlib
+import os
+
+import torch
+
+# Under the CPU interpreter programs run one after another, so kernels pick few, large
+# programs there; compiled kernels pick GPU-sized tiles.  Nothing else differs.
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def on_device(device: torch.device):
+    """Launch on the tensors' GPU rather than the current one (multi-GPU processes)."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
