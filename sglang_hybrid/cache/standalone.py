@@ -25,7 +25,7 @@ from sglang.srt.configs.mamba_utils import Mamba2CacheParams
 from sglang.srt.managers.schedule_batch import FINISH_ABORT, FINISH_LENGTH, Req
 from sglang.srt.mem_cache.allocation import ensure_mamba_capacity
 from sglang.srt.mem_cache.allocator import TokenToKVPoolAllocator
-from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams, MatchResult
+from sglang.srt.mem_cache.base_prefix_cache import EvictParams, MatchPrefixParams, MatchResult
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 from sglang.srt.mem_cache.common import release_kv_cache
 from sglang.srt.mem_cache.memory_pool import HybridLinearKVPool, HybridReqToTokenPool
@@ -141,6 +141,10 @@ def build_tree_cache(
     return TreeCacheUnderTest(cache, allocator, req_to_token_pool)
 
 
+class KVExhausted(RuntimeError):
+    """The request does not fit even after evicting the tree; nothing it took is kept."""
+
+
 class SchedulerDriver:
     """Runs requests through a tree cache with the steps SGLang's scheduler takes."""
 
@@ -179,27 +183,50 @@ class SchedulerDriver:
         return result
 
     def admit(self, req: Req) -> MatchResult:
-        """Match, take a request row and KV for the uncached part of prompt + output, lock."""
+        """Match, lock the matched path, take a request row and KV for the uncached part.
+
+        Like the scheduler, KV is reclaimed by evicting the tree (never the locked matched
+        prefix) when the allocator is short. If the request still cannot be placed it raises
+        ``KVExhausted`` having given back everything it took, as a scheduler leaves such a
+        request waiting.
+        """
         result = self.match(req)
+        req.lock = self.cache.lock(result.last_device_node)
         pool = self.t.req_to_token_pool
         if not ensure_mamba_capacity(pool, [req], self.cache):
-            raise RuntimeError("no live state slot free: too many requests in flight")
+            self._give_back(req)
+            raise KVExhausted("no live state slot free: too many requests in flight")
         pool.alloc([req])
         prefix = self.cache.path_device_indices(result.last_device_node)[: req.prefix_len]
         total = len(req.full_untruncated_fill_ids)
-        new_kv = self.t.allocator.alloc(total - req.prefix_len)
+        need = total - req.prefix_len
+        if self.t.allocator.available_size() < need:
+            self.cache.evict(EvictParams(num_tokens=need - self.t.allocator.available_size()))
+        new_kv = self.t.allocator.alloc(need)
         if new_kv is None:
-            raise RuntimeError(
-                f"KV pool exhausted: {total - req.prefix_len} tokens asked, "
-                f"{self.t.allocator.available_size()} free"
+            self._give_back(req)
+            raise KVExhausted(
+                f"KV pool exhausted: {need} tokens asked, "
+                f"{self.t.allocator.available_size()} free after eviction"
             )
         pool.write((req.kv.req_pool_idx, slice(0, total)), torch.cat([prefix, new_kv]))
         req.kv.kv_committed_len = total
         req.kv.kv_allocated_len = total
         req.kv.cache_protected_len = req.prefix_len
         req.extend_end = total
-        req.lock = self.cache.lock(result.last_device_node)
         return result
+
+    def _give_back(self, req: Req) -> None:
+        self.cache.unlock(req.lock)
+        req.lock = None
+        pool = self.t.req_to_token_pool
+        if req.kv.holds_kv:
+            pool.free_mamba_cache(req)
+            pool.free(req)
+        elif req.kv.holds_mamba:
+            pool.mamba_allocator.free(req.kv.mamba_pool_idx.view(1))
+            req.kv.mamba_pool_idx = None
+        req.kv.mamba_cow_src_index = None
 
     def run_copy_on_write(self, req: Req) -> None:
         """The restore ModelRunner runs on the forward stream before the request's forward."""
