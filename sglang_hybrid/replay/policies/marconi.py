@@ -10,6 +10,10 @@ ancestor / the memory it holds (one state + the KV of the tokens in between), an
 recency = 1 / (clock - last use + 1) on the request clock. A hit refreshes every checkpointed
 node on the matched path (Marconi builds on SGLang's radix cache, whose match updates the path).
 The lowest utility is evicted.
+Marconi's tree also evicts KV, so a node's children are the branches still cached below it. Our
+replay keeps KV unbounded, where a branch node would keep its children forever and its state
+could never be evicted; so "children" counts the branches below a node that still hold
+Marconi checkpoints (the tree Marconi's would have shrunk to).
 
 alpha is tuned online as in the paper: alpha = 0 (recency only) until the first eviction; after a
 bootstrap window of `bootstrap_multiplier` x the requests seen by then, the window's requests
@@ -19,7 +23,7 @@ are replayed on a fresh cache for every alpha of the grid and the best token hit
 
 from __future__ import annotations
 
-from collections import deque
+from collections import defaultdict, deque
 
 import numpy as np
 
@@ -57,8 +61,20 @@ class MarconiPolicy(Policy):
             parent = parent.parent
         return 0
 
+    def _checkpointed_branches(self) -> dict:
+        """Checkpointed node -> how many of its child branches hold checkpoints below it."""
+        branches: dict = defaultdict(set)
+        for node in self.checkpoints.order:
+            child, parent = node, node.parent
+            while parent is not None and parent.depth > 0 and parent not in self.checkpoints:
+                child, parent = parent, parent.parent
+            if parent is not None and parent in self.checkpoints:
+                branches[parent].add(child)
+        return {node: len(children) for node, children in branches.items()}
+
     def _choose_victim(self):
-        candidates = [node for node in self.checkpoints.order if len(node.children) <= 1]
+        branches = self._checkpointed_branches()
+        candidates = [node for node in self.checkpoints.order if branches.get(node, 0) <= 1]
         if not candidates:
             return None
         if self.window is None and self.tune_online:
