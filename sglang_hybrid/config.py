@@ -14,8 +14,22 @@ import os
 from dataclasses import asdict, dataclass, fields
 from typing import Optional
 
+from sglang_hybrid.anchors.detector import KNOWN_FAMILIES, NO_ANCHORS
+
 CONFIG_ENV_VAR = "SGLANG_HYBRID_CONFIG"
 GIB = 1 << 30
+
+# Which checkpoints a request gets beyond the end-of-request state the cache always keeps:
+# "adaptive" learns where each session's edits land (anchors/planner.py), "messages" takes
+# one at every detected message start as slots allow, "none" takes no extra ones.
+CHECKPOINT_PLANNERS: tuple[str, ...] = ("adaptive", "messages", "none")
+# Which checkpoint goes first when the pool is full: least recently restored, or the one
+# the adaptive planner expects to save the fewest recomputed tokens.
+CHECKPOINT_EVICTIONS: tuple[str, ...] = ("lru", "expected-saving")
+# "auto" picks the family from the served model's tokenizer and config; "none" detects
+# only prompt and generation ends, which needs no knowledge of the chat template.
+AUTO_TEMPLATE_FAMILY = "auto"
+ANCHOR_TEMPLATE_FAMILIES: tuple[str, ...] = (AUTO_TEMPLATE_FAMILY, *KNOWN_FAMILIES, NO_ANCHORS)
 
 
 @dataclass(frozen=True)
@@ -23,6 +37,13 @@ class SemanticCacheConfig:
     # Size of the checkpoint pool: a slot count, or a memory budget it is derived from.
     state_checkpoint_slots: Optional[int] = None
     state_checkpoint_memory_gib: Optional[float] = None
+    # Host-memory tier below the device pool (0: none): device evictions are demoted there.
+    state_checkpoint_host_slots: int = 0
+    checkpoint_planner: str = "adaptive"
+    # None: expected-saving under the adaptive planner (the only one that values checkpoints),
+    # lru under the others; resolved in __post_init__.
+    checkpoint_eviction: Optional[str] = None
+    anchor_template_family: str = AUTO_TEMPLATE_FAMILY
 
     DEFAULT_SLOTS = 64
 
@@ -39,6 +60,25 @@ class SemanticCacheConfig:
             raise ValueError(
                 "--state-checkpoint-memory-gib must be >= 0, "
                 f"got {self.state_checkpoint_memory_gib}"
+            )
+        if self.state_checkpoint_host_slots < 0:
+            raise ValueError(
+                "--state-checkpoint-host-slots must be >= 0, "
+                f"got {self.state_checkpoint_host_slots}"
+            )
+        _check_choice("--checkpoint-planner", self.checkpoint_planner, CHECKPOINT_PLANNERS)
+        if self.checkpoint_eviction is None:
+            default = "expected-saving" if self.checkpoint_planner == "adaptive" else "lru"
+            object.__setattr__(self, "checkpoint_eviction", default)
+        _check_choice("--checkpoint-eviction", self.checkpoint_eviction, CHECKPOINT_EVICTIONS)
+        _check_choice(
+            "--anchor-template-family", self.anchor_template_family, ANCHOR_TEMPLATE_FAMILIES
+        )
+        if self.checkpoint_eviction == "expected-saving" and self.checkpoint_planner != "adaptive":
+            raise ValueError(
+                "--checkpoint-eviction expected-saving values checkpoints with the adaptive "
+                "planner's predictions; use it with --checkpoint-planner adaptive, or choose "
+                "--checkpoint-eviction lru"
             )
 
     def checkpoint_slots(self, bytes_per_slot: int) -> int:
@@ -66,3 +106,8 @@ class SemanticCacheConfig:
         if unknown:
             raise ValueError(f"{CONFIG_ENV_VAR} has unknown fields: {sorted(unknown)}")
         return cls(**values)
+
+
+def _check_choice(flag: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{flag} must be one of {', '.join(choices)}; got {value!r}")

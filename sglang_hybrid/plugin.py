@@ -39,14 +39,17 @@ def build_semantic_state_cache(ctx: TreeCacheBuildContext) -> SemanticStateCache
     mamba_pool = req_to_token_pool.mamba_pool
     layout = StateLayout.of_mamba_pool(mamba_pool)
     num_slots = config.checkpoint_slots(layout.bytes_per_slot)
-    req_to_token_pool.mamba_ckpt_pool = StateCheckpointPool(layout, num_slots, mamba_pool.device)
+    req_to_token_pool.mamba_ckpt_pool = StateCheckpointPool(
+        layout, num_slots, mamba_pool.device, host_slots=config.state_checkpoint_host_slots
+    )
     logger.info(
         "semantic state cache: %d checkpoint slots of %.1f MiB (%.2f GiB), "
-        "separate from the %d live-request state slots",
+        "separate from the %d live-request state slots; %d host-tier slots",
         num_slots,
         layout.bytes_per_slot / (1 << 20),
         num_slots * layout.bytes_per_slot / (1 << 30),
         mamba_pool.size,
+        config.state_checkpoint_host_slots,
     )
     ctx.params.component_registry_override = {
         **(ctx.params.component_registry_override or {}),

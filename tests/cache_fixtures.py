@@ -108,3 +108,14 @@ def write_checkpoint_slot(t: TreeCacheUnderTest, slot: torch.Tensor, tokens) -> 
     for conv in pool.conv:
         conv[:, int(slot)] = value
     pool.temporal[:, int(slot)] = value
+
+
+def build_tiered(device_slots: int, host_slots: int, **spec_overrides) -> SchedulerDriver:
+    t = build_tree_cache(
+        "semantic",
+        small_spec(**spec_overrides),
+        config=SemanticCacheConfig(
+            state_checkpoint_slots=device_slots, state_checkpoint_host_slots=host_slots
+        ),
+    )
+    return SchedulerDriver(t)

@@ -28,7 +28,7 @@ from sglang.srt.mem_cache.unified_cache.components.base import ComponentType
 from sglang_hybrid.cache.standalone import KVExhausted
 
 from cache_fixtures import (
-    build,
+    build_tiered,
     fingerprint,
     live_state_fingerprint,
     write_checkpoint_slot,
@@ -58,9 +58,11 @@ def path_tokens(node) -> list[int]:
 
 
 class SemanticCacheMachine(RuleBasedStateMachine):
+    host_slots = 0
+
     def __init__(self):
         super().__init__()
-        self.driver = build("semantic", checkpoint_slots=3, kv_size=600, max_num_reqs=MAX_IN_FLIGHT + 1)
+        self.driver = build_tiered(3, self.host_slots, kv_size=600, max_num_reqs=MAX_IN_FLIGHT + 1)
         self.cache = self.driver.cache
         self.sessions: list[list[int]] = []
         self.in_flight: list = []
@@ -171,6 +173,24 @@ class SemanticCacheMachine(RuleBasedStateMachine):
         assert pool.used_size() == len(in_tree) + self.cache.staged_slots()
 
     @invariant()
+    def host_tier_is_accounted_for(self):
+        tier = self.cache.checkpoint_pool.host_tier
+        mamba = self.cache.components[MAMBA]
+        if tier is None:
+            assert not mamba.host_slots
+            return
+        host = [int(s) for s in mamba.host_slots.values()]
+        assert len(set(host)) == len(host)
+        assert not set(host) & set(tier.free_slot_ids())
+        assert tier.used_size() == len(host) == len(mamba.host_lru)
+        live = {n.id for n in tree_nodes(self.cache)}
+        for node_id, slot in mamba.host_slots.items():
+            node = mamba.host_lru[node_id]
+            assert node_id in live and node.component_data[MAMBA].value is None
+            held = {float(v) for v in tier.temporal[:, int(slot)].unique()}
+            assert held == {fingerprint(path_tokens(node))}
+
+    @invariant()
     def checkpoints_hold_the_state_of_their_path(self):
         pool = self.cache.checkpoint_pool
         for node in tree_nodes(self.cache):
@@ -203,17 +223,27 @@ class SemanticCacheMachine(RuleBasedStateMachine):
             self.cache.sanity_check()
 
 
-TestSemanticCacheInvariants = SemanticCacheMachine.TestCase
-TestSemanticCacheInvariants.settings = settings(
+class TieredCacheMachine(SemanticCacheMachine):
+    """The same operations with a 3-slot host tier under the 3 device slots."""
+
+    host_slots = 3
+
+
+DEFAULT_RUN = settings(
     max_examples=40, stateful_step_count=60, deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )
+TestSemanticCacheInvariants = SemanticCacheMachine.TestCase
+TestSemanticCacheInvariants.settings = DEFAULT_RUN
+TestTieredCacheInvariants = TieredCacheMachine.TestCase
+TestTieredCacheInvariants.settings = DEFAULT_RUN
 
 
 @pytest.mark.stress
-def test_stress_hundred_thousand_operations():
+def test_stress_two_hundred_thousand_operations():
     run = settings(max_examples=1000, stateful_step_count=100, deadline=None,
                    suppress_health_check=[HealthCheck.too_slow])
     from hypothesis.stateful import run_state_machine_as_test
 
     run_state_machine_as_test(SemanticCacheMachine, settings=run)
+    run_state_machine_as_test(TieredCacheMachine, settings=run)

@@ -29,6 +29,7 @@ import torch
 
 from sglang.srt.mem_cache.allocator.mamba import MambaSlotAllocator
 
+from sglang_hybrid.cache.host_tier import HostCheckpointTier
 from sglang_hybrid.kernels.state_copy import copy_states, copy_states_reference
 
 
@@ -68,7 +69,13 @@ class StateLayout:
 
 
 class StateCheckpointPool:
-    def __init__(self, layout: StateLayout, num_slots: int, device: str | torch.device):
+    def __init__(
+        self,
+        layout: StateLayout,
+        num_slots: int,
+        device: str | torch.device,
+        host_slots: int = 0,
+    ):
         if num_slots < 0:
             raise ValueError(f"checkpoint slots must be >= 0, got {num_slots}")
         self.layout = layout
@@ -85,10 +92,9 @@ class StateCheckpointPool:
             device=self.device,
         )
         self.allocator = MambaSlotAllocator(size=num_slots, device=self.device)
+        # Where device evictions go instead of being dropped; None keeps one tier.
+        self.host_tier = HostCheckpointTier(layout, host_slots, self) if host_slots else None
 
-    @classmethod
-    def for_mamba_pool(cls, mamba_pool, num_slots: int) -> "StateCheckpointPool":
-        return cls(StateLayout.of_mamba_pool(mamba_pool), num_slots, mamba_pool.device)
 
     @staticmethod
     def slots_for_memory(mamba_pool, memory_bytes: int) -> int:
@@ -115,6 +121,8 @@ class StateCheckpointPool:
 
     def clear(self) -> None:
         self.allocator.clear()
+        if self.host_tier is not None:
+            self.host_tier.clear()
 
     def mem_usage_bytes(self) -> int:
         return sum(c.numel() * c.element_size() for c in self.conv) + (

@@ -20,6 +20,7 @@ What differs from the stock ``UnifiedRadixCache`` (FULL + MAMBA):
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Callable, Optional
 
@@ -65,9 +66,13 @@ class CheckpointStats:
 
     taken: int = 0  # checkpoints attached to the tree
     restored: int = 0  # requests that started from a checkpoint
-    evicted: int = 0  # checkpoints dropped by checkpoint LRU eviction
+    evicted: int = 0  # device checkpoints dropped by eviction with no host copy kept
     dropped_with_kv: int = 0  # checkpoints dropped because their node's KV was evicted
     duplicates: int = 0  # snapshots not attached because the node already had one
+    demoted: int = 0  # device checkpoints moved to the host tier instead of dropped
+    promoted: int = 0  # host checkpoints copied back to the device pool for a restore
+    host_evicted: int = 0  # host checkpoints dropped to make room in the host tier
+    restored_from_host: int = 0  # restores whose checkpoint came from the host tier
     exhausted: int = 0  # snapshots skipped because no slot could be had
     tokens_restored: int = 0  # prompt tokens skipped thanks to a restore
     tokens_recomputed: int = 0  # prompt tokens the admitted requests had to prefill
@@ -90,6 +95,9 @@ class SemanticMambaComponent(MambaComponent):
         # True while this component tombstones its own eviction victim; a state dropped
         # at any other time goes with its node's KV.
         self._lru_victim_walk = False
+        # Checkpoints demoted to the host tier: node id -> host slot, and their recency.
+        self.host_slots: dict[int, torch.Tensor] = {}
+        self.host_lru: OrderedDict[int, "UnifiedTreeNode"] = OrderedDict()
 
     @property
     def checkpoint_pool(self) -> StateCheckpointPool:
@@ -105,20 +113,93 @@ class SemanticMambaComponent(MambaComponent):
     def finalize_match_result_in_cache(
         self, params: MatchPrefixParams, result: MatchResult
     ) -> MatchResult:
-        result = super().finalize_match_result_in_cache(params, result)
-        if not params.cow_mamba or params.req is None:
-            return result
+        restoring = params.cow_mamba and params.req is not None
         node = self.tree_core.node_by_id(result.best_match_node)
+        from_host = restoring and node.id in self.host_slots
+        if from_host:
+            self._promote(node)
+        result = super().finalize_match_result_in_cache(params, result)
+        if not restoring:
+            return result
+        if node.id in self.host_slots:  # no device slot could be had: restore from host
+            self._restore_from_host(node, params.req)
         stats = self.cache.stats
-        prompt_len = len(params.req.origin_input_ids)
-        if node.component_data[MAMBA].value is not None:
-            self.tree_core.lru_lists[MAMBA].reset_node_mru(node)
+        if node.component_data[MAMBA].value is not None or from_host:
+            if node.component_data[MAMBA].value is not None:
+                self.tree_core.lru_lists[MAMBA].reset_node_mru(node)
             node.last_access_time = get_and_increase_time_counter()
             stats.restored += 1
+            stats.restored_from_host += int(from_host)
             stats.tokens_restored += result.device_prefix_len
             stats.restored_depths.append(result.device_prefix_len)
-        stats.tokens_recomputed += max(0, prompt_len - result.device_prefix_len)
+        stats.tokens_recomputed += max(0, len(params.req.origin_input_ids) - result.device_prefix_len)
         return result
+
+    # ---- host tier ----
+
+    @property
+    def host_tier(self):
+        return self.checkpoint_pool.host_tier
+
+    def create_match_validator(self, match_device_only: bool = False):
+        host_slots = self.host_slots
+        return lambda node: node.component_data[MAMBA].value is not None or node.id in host_slots
+
+    def node_has_component_data(self, node, target=EvictLayer.DEVICE) -> bool:
+        # A host-only checkpoint is data of this node: the KV cascade that deletes the node
+        # must reach evict_component so the host slot goes with it.
+        if target is EvictLayer.DEVICE and node.id in self.host_slots:
+            return True
+        return super().node_has_component_data(node, target)
+
+    def _demote(self, node: "UnifiedTreeNode", device_slot: torch.Tensor) -> bool:
+        """Move a device victim's state to the host tier; False when the tier keeps none."""
+        tier = self.host_tier
+        if tier is None or tier.num_slots == 0:
+            return False
+        host_slot = tier.alloc()
+        if host_slot is None:
+            _, oldest = self.host_lru.popitem(last=False)
+            tier.free(self.host_slots.pop(oldest.id))
+            self.cache.stats.host_evicted += 1
+            host_slot = tier.alloc()
+        tier.demote(device_slot, host_slot)
+        self.host_slots[node.id] = host_slot
+        self.host_lru[node.id] = node
+        self.cache.stats.demoted += 1
+        return True
+
+    def _promote(self, node: "UnifiedTreeNode") -> None:
+        # Taken out of the host tier first: making room on the device may demote another
+        # checkpoint and evict the host tier's least recent one, which must not be this one.
+        host_slot = self.host_slots.pop(node.id)
+        del self.host_lru[node.id]
+        device_slot = self.cache.alloc_checkpoint_slot()
+        if device_slot is None:
+            self.host_slots[node.id] = host_slot
+            self.host_lru[node.id] = node
+            return
+        self.host_tier.promote(host_slot, device_slot)
+        self.tree_core.set_component_device_value(node.id, MAMBA, device_slot)
+        self.cache.stats.promoted += 1
+
+    def _restore_from_host(self, node: "UnifiedTreeNode", req: "Req") -> None:
+        pool = self.cache.req_to_token_pool
+        if not req.kv.holds_mamba:
+            live = pool.mamba_allocator.alloc(1)
+            if live is None:
+                raise RuntimeError("no live state slot for a restore: the scheduler over-admitted")
+            req.kv.mamba_pool_idx = live[0]
+        self.host_tier.load_to_active(self.host_slots[node.id], pool.mamba_pool, req.kv.mamba_pool_idx)
+        self.host_lru.move_to_end(node.id)
+        req.kv.mamba_cow_src_index = None
+        req.kv.mamba_needs_clear = False
+
+    def _drop_host_copy(self, node: "UnifiedTreeNode") -> None:
+        host_slot = self.host_slots.pop(node.id, None)
+        if host_slot is not None:
+            del self.host_lru[node.id]
+            self.host_tier.free(host_slot)
 
     def _alloc_int8_ckpt_slot(self) -> Optional[torch.Tensor]:
         return self.cache.alloc_checkpoint_slot()
@@ -152,13 +233,17 @@ class SemanticMambaComponent(MambaComponent):
             self.cache.stats.duplicates += 1
         else:
             self.cache.stats.taken += 1
+            self._drop_host_copy(node)
 
     def evict_component(
         self, node, device_frees, host_frees, cache_actions, target=EvictLayer.DEVICE
     ):
-        held = node.component_data[MAMBA].value is not None
+        held = node.component_data[MAMBA].value is not None or node.id in self.host_slots
         freed = super().evict_component(node, device_frees, host_frees, cache_actions, target)
-        if held and node.component_data[MAMBA].value is None and not self._lru_victim_walk:
+        if self._lru_victim_walk:
+            return freed
+        self._drop_host_copy(node)
+        if held:
             self.cache.stats.dropped_with_kv += 1
         return freed
 
@@ -175,6 +260,7 @@ class SemanticMambaComponent(MambaComponent):
         victim = self._pick_victim()
         if victim is None:
             return None
+        device_slot = victim.component_data[MAMBA].value
         self._lru_victim_walk = True
         try:
             self.tree_core._evict_component_and_detach_lru(
@@ -188,8 +274,13 @@ class SemanticMambaComponent(MambaComponent):
             )
         finally:
             self._lru_victim_walk = False
+        if self._demote(victim, device_slot):
+            # The tier hands the device slot back once its copy is done, not the drain.
+            frees = device_frees[MAMBA]
+            del frees[next(i for i, v in enumerate(frees) if v is device_slot)]
+        else:
+            self.cache.stats.evicted += 1
         self.tree_core._update_evictable_leaf_sets(victim)
-        self.cache.stats.evicted += 1
         return None
 
     def _pick_victim(self) -> Optional["UnifiedTreeNode"]:
@@ -244,6 +335,8 @@ class SemanticStateCache(UnifiedRadixCache):
         None when every slot is held by a locked node or a staged capture: the caller
         then keeps no checkpoint, it never fails the request.
         """
+        if self.checkpoint_pool.host_tier is not None:
+            self.checkpoint_pool.host_tier.reclaim_finished()
         slot = self.checkpoint_pool.alloc(1)
         if slot is None and self.checkpoint_pool.num_slots > 0:
             self.evict_checkpoints(1)
@@ -346,3 +439,6 @@ class SemanticStateCache(UnifiedRadixCache):
         if hasattr(self, "_staged"):
             self._staged.clear()
             self.checkpoint_pool.clear()
+            mamba = self.components[MAMBA]
+            mamba.host_slots.clear()
+            mamba.host_lru.clear()

@@ -1,0 +1,102 @@
+"""The host-memory checkpoint tier: demotion, promotion, eviction from both tiers, exactness."""
+
+from __future__ import annotations
+
+from cache_fixtures import build_tiered, serve
+from test_semantic_cache import assert_slot_accounting, checkpoint_slots_in_tree
+
+from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+
+def sessions(n):
+    return [[100 + k] * 40 for k in range(n)]
+
+
+def held(driver, prompt):
+    return driver.match(driver.new_request(prompt + [1, 9]), cow=False).device_prefix_len
+
+
+def assert_tiers_accounted(driver):
+    assert_slot_accounting(driver)
+    mamba = driver.cache.components[driver.cache.tree_components[-1]]
+    tier = driver.cache.checkpoint_pool.host_tier
+    host = [int(s) for s in mamba.host_slots.values()]
+    assert len(set(host)) == len(host)
+    assert not set(host) & set(tier.free_slot_ids())
+    assert tier.used_size() == len(host) == len(mamba.host_lru)
+    # a node never holds its state in both tiers
+    device_nodes = {n.id for n in _nodes(driver.cache) if n.component_data[n_type(driver)].value is not None}
+    assert not device_nodes & set(mamba.host_slots)
+
+
+def n_type(driver):
+    return driver.cache.tree_components[-1]
+
+
+def _nodes(cache):
+    stack, out = [cache.tree_core.root_node], []
+    while stack:
+        node = stack.pop()
+        stack.extend(node.children.values())
+        if node.parent is not None:
+            out.append(node)
+    return out
+
+
+def test_device_evictions_are_demoted_and_still_matchable():
+    driver = build_tiered(device_slots=2, host_slots=8)
+    prompts = sessions(5)
+    for prompt in prompts:
+        serve(driver, prompt, [1])
+    stats = driver.cache.stats
+    assert stats.demoted == 3 and stats.evicted == 0
+    assert [held(driver, p) for p in prompts] == [41] * 5
+    assert_tiers_accounted(driver)
+
+
+def test_host_hit_is_promoted_and_restores_the_exact_state():
+    driver = build_tiered(device_slots=2, host_slots=8)
+    prompts = sessions(4)
+    for prompt in prompts:
+        serve(driver, prompt, [1])
+    # prompts[0] lives on host now; serve() checks the restored state's fingerprint.
+    result = serve(driver, prompts[0] + [1, 5, 5], [2])
+    assert result.device_prefix_len == 41
+    stats = driver.cache.stats
+    assert stats.restored_from_host == 1 and stats.promoted == 1
+    assert_tiers_accounted(driver)
+
+
+def test_host_tier_evicts_its_least_recent_when_full():
+    driver = build_tiered(device_slots=1, host_slots=2)
+    prompts = sessions(5)
+    for prompt in prompts:
+        serve(driver, prompt, [1])
+    stats = driver.cache.stats
+    assert stats.demoted == 4 and stats.host_evicted == 2
+    assert [held(driver, p) for p in prompts] == [0, 0, 41, 41, 41]
+    assert_tiers_accounted(driver)
+
+
+def test_kv_eviction_drops_host_copies_with_their_nodes():
+    driver = build_tiered(device_slots=1, host_slots=4)
+    for prompt in sessions(3):
+        serve(driver, prompt, [1])
+    driver.cache.evict(EvictParams(num_tokens=10_000))
+    assert driver.cache.checkpoint_pool.host_tier.used_size() == 0
+    assert checkpoint_slots_in_tree(driver.cache) == []
+    assert_tiers_accounted(driver)
+
+
+def test_promotion_without_a_free_device_slot_restores_straight_from_host():
+    driver = build_tiered(device_slots=1, host_slots=4, max_num_reqs=4)
+    a, b = sessions(2)
+    serve(driver, a, [1])
+    serve(driver, b, [1])  # a demoted
+    holder = driver.new_request(b + [1, 7, 7], [2])
+    driver.admit(holder)  # locks b's device checkpoint: the only device slot is pinned
+    result = serve(driver, a + [1, 5], [2])
+    assert result.device_prefix_len == 41
+    assert driver.cache.stats.restored_from_host == 1
+    driver.abort(holder)
+    assert_tiers_accounted(driver)
