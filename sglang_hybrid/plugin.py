@@ -21,6 +21,7 @@ from sglang.srt.runtime_context import get_exec
 from sglang_hybrid.cache.checkpoint_pool import StateCheckpointPool, StateLayout
 from sglang_hybrid.cache.semantic_cache import SemanticMambaComponent, SemanticStateCache
 from sglang_hybrid.config import SemanticCacheConfig
+from sglang_hybrid.cpu_fallbacks import install_cpu_fallbacks
 
 logger = logging.getLogger(__name__)
 
@@ -28,6 +29,9 @@ BACKEND_NAME = "semantic"
 
 
 def register() -> None:
+    # On a host without CUDA (tests, the CPU reference server) SGLang needs torch-native
+    # fallbacks for kernels that do not run there; on a GPU host this does nothing.
+    install_cpu_fallbacks()
     if BACKEND_NAME not in registered_radix_cache_backends():
         register_radix_cache_backend(BACKEND_NAME, build_semantic_state_cache)
 

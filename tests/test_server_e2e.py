@@ -1,0 +1,147 @@
+"""The real SGLang server, end to end on this CPU host, with the ``semantic`` cache backend.
+
+Two ``sglang.launch_server`` processes serve the same tiny random-weight Qwen3-Next: one
+with ``--radix-cache-backend semantic``, one with ``--disable-radix-cache``. An edited
+multi-turn session goes to both; greedy outputs must agree token for token (a restored
+checkpoint that were wrong would change them), and the semantic server must reuse the
+cache where a checkpoint exists. A long request is aborted mid-decode; afterwards the
+server must still serve and still hit its cache. SGLang's scheduler itself checks, each
+time it goes idle, that every live state slot is free and that the checkpoint pool holds
+exactly the slots its tree references (``SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE``,
+on by default, raises inside the scheduler on a leak); the test also reads the server
+log for those leak reports. Neither pool's occupancy is exposed over HTTP
+(``/get_server_info`` and ``/v1/loads`` report token usage only).
+"""
+
+import json
+import random
+import threading
+import time
+
+import pytest
+import requests
+import torch
+
+from tiny_server import SGLangServer, write_tiny_qwen3_next
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        torch.cuda.is_available(),
+        reason="exercises the CPU-host path (TRITON_INTERPRET, torch fallbacks)",
+    ),
+]
+
+NEW_TOKENS_PER_TURN = 4
+CHECKPOINT_SLOTS = 16
+# The live state pool would otherwise be sized from free memory (about 190k slots here),
+# and allocating it dominates start-up.
+COMMON_FLAGS = ["--max-mamba-cache-size", "16"]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return write_tiny_qwen3_next(tmp_path_factory.mktemp("tiny_qwen3_next"))
+
+
+@pytest.fixture(scope="module")
+def servers(model_dir, tmp_path_factory):
+    """(semantic, no-cache) servers, started together and killed with their process groups."""
+    logs = tmp_path_factory.mktemp("server_logs")
+    semantic = SGLangServer(
+        model_dir,
+        ["--radix-cache-backend", "semantic", *COMMON_FLAGS],
+        env={"SGLANG_HYBRID_CONFIG": json.dumps({"state_checkpoint_slots": CHECKPOINT_SLOTS})},
+        log_path=logs / "semantic.log",
+    )
+    no_cache = SGLangServer(
+        model_dir, ["--disable-radix-cache", *COMMON_FLAGS], log_path=logs / "no_cache.log"
+    )
+    try:
+        semantic.wait_ready()
+        no_cache.wait_ready()
+        yield semantic, no_cache
+    finally:
+        semantic.stop()
+        no_cache.stop()
+
+
+def _tokens(rng, n):
+    # Token 0 and the EOS id (vocab - 1) are left out so that every prompt is plain text.
+    return [rng.randrange(1, 511) for _ in range(n)]
+
+
+def _ask_both(semantic, no_cache, input_ids):
+    """Send one turn to both servers; return (output ids, cached tokens, seconds) of semantic."""
+    started = time.monotonic()
+    answer = semantic.generate(input_ids, NEW_TOKENS_PER_TURN)
+    seconds = time.monotonic() - started
+    reference = no_cache.generate(input_ids, NEW_TOKENS_PER_TURN)
+    assert answer["output_ids"] == reference["output_ids"], (
+        "greedy output differs between the semantic cache and no cache"
+    )
+    assert reference["meta_info"]["cached_tokens"] == 0
+    return answer["output_ids"], answer["meta_info"]["cached_tokens"], seconds
+
+
+def _abort_mid_decode(server, input_ids):
+    """Start a request far too long to finish, abort it while it decodes; return its reply."""
+    rid = "e2e-long-request"
+    reply = {}
+
+    def run():
+        reply.update(server.generate(input_ids, 1500, rid=rid))
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    deadline = time.monotonic() + 120
+    # Abort only once the request runs (is past its prefill), so it holds a live state slot.
+    while time.monotonic() < deadline and server.num_running_requests() == 0:
+        time.sleep(0.2)
+    time.sleep(1.0)
+    requests.post(f"{server.base_url}/abort_request", json={"rid": rid}, timeout=30)
+    thread.join(timeout=120)
+    assert not thread.is_alive(), "aborted request did not return"
+    return reply
+
+
+def test_edited_session_matches_no_cache_and_reuses_checkpoints(servers):
+    semantic, no_cache = servers
+    rng = random.Random(0)
+
+    turn1 = _tokens(rng, 40)
+    out1, cached1, _ = _ask_both(semantic, no_cache, turn1)
+    assert cached1 == 0
+
+    # Turn 2 extends turn 1's prompt and answer: the checkpoint stored when turn 1
+    # finished covers all of it but the last generated token (whose KV was never computed).
+    turn2 = turn1 + out1 + _tokens(rng, 12)
+    out2, cached2, _ = _ask_both(semantic, no_cache, turn2)
+    assert cached2 == len(turn1) + len(out1) - 1
+
+    # The same prompt again: turn 2's own finish checkpoint lies past its prompt, so the
+    # deepest usable one is still turn 1's.
+    out3, cached3, _ = _ask_both(semantic, no_cache, turn2)
+    assert out3 == out2
+    assert cached3 == len(turn1) + len(out1) - 1
+
+    # An edit in the middle (position 20): nothing after the edit is reusable, and no
+    # checkpoint exists before it.
+    turn4 = turn2[:20] + _tokens(rng, 5) + turn2[25:]
+    _, cached4, _ = _ask_both(semantic, no_cache, turn4)
+    assert cached4 <= 20
+
+    aborted = _abort_mid_decode(semantic, _tokens(rng, 30))
+    assert aborted["meta_info"]["finish_reason"]["type"] == "abort"
+    assert 0 < len(aborted["output_ids"]) < 1500
+
+    # After the abort the server still serves, and turn 2's finish checkpoint is intact.
+    turn5 = turn2 + out2 + _tokens(rng, 6)
+    _, cached5, _ = _ask_both(semantic, no_cache, turn5)
+    assert cached5 == len(turn2) + len(out2) - 1
+
+    # Let the scheduler go idle, where it checks both state pools for leaks.
+    time.sleep(3)
+    assert semantic.process.poll() is None
+    assert requests.get(f"{semantic.base_url}/health_generate", timeout=60).ok
+    assert "memory leak detected" not in semantic.log_tail(10**7)
