@@ -1,0 +1,203 @@
+"""An in-process CPU engine serving a transformers hybrid model through the semantic cache.
+
+It answers one question end to end: does serving a request from a restored checkpoint
+give the same logits and tokens as computing it from scratch? Everything that is cached,
+matched, restored and evicted is decided by SGLang's pools and the real
+``SemanticStateCache`` (built through the registry by ``build_tree_cache`` and driven with
+the scheduler's steps by ``SchedulerDriver``); the engine only runs the model and moves
+states between the model's cache objects and the pool slots the cache hands out.
+
+Per request (cached): admit (match + copy-on-write of the matched checkpoint into the
+request's live state slot) -> rebuild the model cache from that slot and the KV of the
+restored prefix -> prefill the rest of the prompt in segments ending at the requested
+checkpoint positions, staging the state at each into a checkpoint slot -> decode -> write
+the final state into the live slot and the new KV into the request's KV slots -> finish
+(insert into the tree, snapshot the live slot as the end checkpoint).
+"""
+
+from __future__ import annotations
+
+import time
+from array import array
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import torch
+from transformers import DynamicCache
+
+from sglang_hybrid.cache.standalone import SchedulerDriver, build_tree_cache
+from sglang_hybrid.config import SemanticCacheConfig
+from sglang_hybrid.engine.state_bridge import HybridStateBridge
+
+
+@dataclass(frozen=True)
+class EngineRequest:
+    prompt: tuple[int, ...]
+    output_len: int = 0
+    # Prompt depths at which to checkpoint the recurrent state (e.g. anchor positions).
+    # Depths the restored prefix already covers, or beyond the prompt, are skipped.
+    checkpoint_positions: tuple[int, ...] = ()
+    # When given, these tokens are fed as the output (teacher forcing, e.g. a recorded
+    # answer) instead of the greedy ones; ``output_len`` is then ignored.
+    forced_output: Optional[tuple[int, ...]] = None
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.forced_output) if self.forced_output is not None else self.output_len
+
+
+@dataclass
+class EngineResult:
+    prompt_logits: torch.Tensor  # logits at the last prompt position, shape (vocab,)
+    greedy_ids: list[int]  # argmax at each output step
+    output_ids: list[int]  # tokens fed as the output (greedy ids unless forced)
+    restored_tokens: int  # prompt tokens served from the cache
+    computed_prompt_tokens: int  # prompt tokens run through the model
+    checkpoints: list[tuple[int, int]] = field(default_factory=list)  # (depth, slot) staged
+    wall_s: float = 0.0
+
+
+def max_abs_logit_diff(a: Sequence[EngineResult], b: Sequence[EngineResult]) -> float:
+    return max(float((x.prompt_logits - y.prompt_logits).abs().max()) for x, y in zip(a, b))
+
+
+class CpuHybridEngine:
+    """Serves requests with ``model`` (a transformers Qwen3-Next or GraniteMoeHybrid) on CPU,
+    one at a time."""
+
+    def __init__(
+        self,
+        model,
+        *,
+        checkpoint_slots: int = 64,
+        kv_size: int = 1 << 16,
+        max_num_reqs: int = 4,
+        max_context_len: int = 1 << 15,
+    ):
+        self.model = model
+        self.vocab_size = model.config.vocab_size
+        self.bridge = HybridStateBridge(model.config)
+        spec = self.bridge.pool_spec(
+            kv_size=kv_size, max_num_reqs=max_num_reqs, max_context_len=max_context_len
+        )
+        tree = build_tree_cache(
+            "semantic", spec, config=SemanticCacheConfig(state_checkpoint_slots=checkpoint_slots)
+        )
+        self.driver = SchedulerDriver(tree)
+
+    @property
+    def cache(self):
+        return self.driver.cache
+
+    def run(self, requests: Sequence[EngineRequest], *, cached: bool) -> list[EngineResult]:
+        serve = self.serve_cached if cached else self.serve_uncached
+        return [serve(request) for request in requests]
+
+    # ---- one request ----
+
+    @torch.no_grad()
+    def serve_uncached(self, request: EngineRequest) -> EngineResult:
+        """Plain full prefill of the prompt, then decode; no pool or cache involved."""
+        started = time.perf_counter()
+        model_cache = DynamicCache(config=self.model.config)
+        logits = self._forward(model_cache, request.prompt, start=0)
+        greedy, fed = self._decode(model_cache, request, logits, feed_last=False)
+        return EngineResult(
+            prompt_logits=logits,
+            greedy_ids=greedy,
+            output_ids=fed,
+            restored_tokens=0,
+            computed_prompt_tokens=len(request.prompt),
+            wall_s=time.perf_counter() - started,
+        )
+
+    @torch.no_grad()
+    def serve_cached(self, request: EngineRequest) -> EngineResult:
+        started = time.perf_counter()
+        driver, prompt = self.driver, request.prompt
+        # The scheduler reserves KV for prompt + output at admission; the output ids are
+        # filled in below as they are decoded, before the request is inserted.
+        req = driver.new_request(prompt, [0] * request.num_output_tokens)
+        match = driver.admit(req)
+        driver.run_copy_on_write(req)
+        restored = match.device_prefix_len
+        row = req.kv.req_pool_idx
+        total = len(req.full_untruncated_fill_ids)
+        kv_indices = driver.t.req_to_token_pool.req_to_token[row, :total].long()
+        kv_pool = driver.t.allocator.get_kvcache()
+        live_state = driver.t.mamba_pool.mamba_cache
+        live_slot = int(req.kv.mamba_pool_idx)
+
+        if restored > 0:
+            model_cache = self.bridge.load_cache(
+                live_state.conv, live_state.temporal, live_slot, kv_pool, kv_indices[:restored]
+            )
+        else:
+            model_cache = DynamicCache(config=self.model.config)
+
+        checkpoints = []
+        checkpoint_depths = {p for p in request.checkpoint_positions if restored < p <= len(prompt)}
+        start = restored
+        for end in sorted(checkpoint_depths | {len(prompt)}):
+            logits = self._forward(model_cache, prompt[start:end], start=start)
+            start = end
+            if end in checkpoint_depths:
+                slot = self._stage_checkpoint(req, model_cache, end)
+                if slot is not None:
+                    checkpoints.append((end, slot))
+
+        # The end checkpoint ``finish`` takes covers prompt + output, so the last output
+        # token is fed too: the live slot must hold the state after every token.
+        greedy, fed = self._decode(model_cache, request, logits, feed_last=True)
+        req.output_ids = array("q", fed)
+        req.full_untruncated_fill_ids = array("q", [*prompt, *fed])
+        self.bridge.store_state(model_cache, live_state.conv, live_state.temporal, live_slot)
+        self.bridge.store_kv(model_cache, kv_pool, kv_indices[restored:], start=restored)
+        driver.finish(req)
+        return EngineResult(
+            prompt_logits=logits,
+            greedy_ids=greedy,
+            output_ids=fed,
+            restored_tokens=restored,
+            computed_prompt_tokens=len(prompt) - restored,
+            checkpoints=checkpoints,
+            wall_s=time.perf_counter() - started,
+        )
+
+    # ---- model steps ----
+
+    def _forward(self, model_cache: DynamicCache, token_ids: Sequence[int], *, start: int):
+        """Run ``token_ids`` at positions ``start:``; logits of the last one, fp32."""
+        input_ids = torch.tensor([[t % self.vocab_size for t in token_ids]], dtype=torch.long)
+        positions = torch.arange(start, start + len(token_ids)).unsqueeze(0)
+        out = self.model(
+            input_ids=input_ids,
+            position_ids=positions,
+            past_key_values=model_cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        return out.logits[0, -1].float()
+
+    def _decode(self, model_cache, request: EngineRequest, logits, *, feed_last: bool):
+        position = len(request.prompt)
+        greedy: list[int] = []
+        fed: list[int] = []
+        for step in range(request.num_output_tokens):
+            greedy.append(int(logits.argmax()))
+            token = request.forced_output[step] if request.forced_output is not None else greedy[-1]
+            fed.append(token)
+            if step + 1 < request.num_output_tokens or feed_last:
+                logits = self._forward(model_cache, [token], start=position)
+                position += 1
+        return greedy, fed
+
+    def _stage_checkpoint(self, req, model_cache: DynamicCache, depth: int) -> Optional[int]:
+        """Copy the state after ``depth`` tokens into a checkpoint slot the cache owns."""
+        slot = self.cache.alloc_checkpoint_slot()
+        if slot is None:  # every slot pinned: serve without this checkpoint
+            return None
+        pool = self.cache.checkpoint_pool
+        self.bridge.store_state(model_cache, pool.conv, pool.temporal, int(slot))
+        self.cache.stage_checkpoint(req, depth, slot)
+        return int(slot)
