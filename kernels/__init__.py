@@ -3,6 +3,7 @@
 No sglang import here: the kernels run on machines that only have torch and triton.
 """
 
+from ._launch import INTERPRET
 from .state_at_position import (
     GDN_CHUNK_SIZE,
     NEMOTRON_H_CHUNK_SIZE,
@@ -17,6 +18,7 @@ from .state_copy import MAX_CONV_TENSORS, copy_states, copy_states_reference
 
 __all__ = [
     "GDN_CHUNK_SIZE",
+    "INTERPRET",
     "MAX_CONV_TENSORS",
     "NEMOTRON_H_CHUNK_SIZE",
     "conv_state_at_positions",

@@ -6,7 +6,9 @@ import os
 import torch
 
 # Under the CPU interpreter programs run one after another, so kernels pick few, large
-# programs there; compiled kernels pick GPU-sized tiles.  Nothing else differs.
+# programs there; compiled kernels pick GPU-sized tiles.  Nothing else differs.  Triton fixes
+# the mode when a kernel is decorated (at import), so this is read once, here, and callers
+# choosing whether a kernel can run on CPU must ask this flag, not the environment now.
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 

@@ -21,7 +21,6 @@ slots (SGLang's MAMBA LRU list and ``lock_ref``), not here: one place decides ev
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 from typing import List, Optional, Sequence
 
@@ -30,7 +29,8 @@ import torch
 from sglang.srt.mem_cache.allocator.mamba import MambaSlotAllocator
 
 from sglang_hybrid.cache.host_tier import HostCheckpointTier
-from sglang_hybrid.kernels.state_copy import copy_states, copy_states_reference
+from sglang_hybrid.kernels import INTERPRET as KERNELS_INTERPRETED
+from sglang_hybrid.kernels import copy_states, copy_states_reference
 
 
 @dataclass(frozen=True)
@@ -152,10 +152,10 @@ class StateCheckpointPool:
         )
 
     def _copy(self, src_conv, src_temporal, dst_conv, dst_temporal, src_slots, dst_slots):
-        # The Triton kernel needs a GPU, or the interpreter on CPU (tests, the reference
-        # engine); a CPU process without the interpreter takes the torch reference, which
-        # the kernel tests hold bit-identical to it.
-        if self.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        # The Triton kernel needs a GPU, or kernels decorated under the interpreter on CPU
+        # (tests, the reference engine); a CPU process without them takes the torch
+        # reference, which the kernel tests hold bit-identical to the kernel.
+        if self.device.type == "cpu" and not KERNELS_INTERPRETED:
             copy_states_reference(
                 src_conv, src_temporal, dst_conv, dst_temporal, src_slots, dst_slots
             )
