@@ -22,6 +22,8 @@ from sglang_hybrid.cache.checkpoint_pool import StateCheckpointPool, StateLayout
 from sglang_hybrid.cache.semantic_cache import SemanticMambaComponent, SemanticStateCache
 from sglang_hybrid.config import SemanticCacheConfig
 from sglang_hybrid.cpu_fallbacks import install_cpu_fallbacks
+from sglang_hybrid.request_hints import install_checkpoint_hint_hook
+from sglang_hybrid.metrics import install_request_info_hook
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +36,8 @@ def register() -> None:
     install_cpu_fallbacks()
     if BACKEND_NAME not in registered_radix_cache_backends():
         register_radix_cache_backend(BACKEND_NAME, build_semantic_state_cache)
+        install_checkpoint_hint_hook()
+        install_request_info_hook()
 
 
 def build_semantic_state_cache(ctx: TreeCacheBuildContext) -> SemanticStateCache:

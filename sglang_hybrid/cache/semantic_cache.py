@@ -45,6 +45,7 @@ from sglang.srt.mem_cache.unified_cache.components.mamba import MambaComponent
 from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 
 from sglang_hybrid.cache.checkpoint_pool import StateCheckpointPool
+from sglang_hybrid.metrics import CheckpointMetricsCollector, record_request_restore
 
 if TYPE_CHECKING:
     from sglang.srt.managers.schedule_batch import Req
@@ -133,6 +134,8 @@ class SemanticMambaComponent(MambaComponent):
             stats.tokens_restored += result.device_prefix_len
             stats.restored_depths.append(result.device_prefix_len)
         stats.tokens_recomputed += max(0, len(params.req.origin_input_ids) - result.device_prefix_len)
+        record_request_restore(params.req, result.device_prefix_len, result.full_kv_hit_length)
+        self.cache.publish_metrics()
         return result
 
     # ---- host tier ----
@@ -325,7 +328,14 @@ class SemanticStateCache(UnifiedRadixCache):
         self.eviction_scorer: Optional[Callable[[int, int], float]] = None
         # rid -> [(depth, slot)]: checkpoints captured inside a prefill, not yet in the tree.
         self._staged: dict[str, list[tuple[int, torch.Tensor]]] = {}
+        self.checkpoint_metrics: Optional[CheckpointMetricsCollector] = None
         super().__init__(params)
+        self.checkpoint_metrics = CheckpointMetricsCollector.for_cache(self)
+
+    def publish_metrics(self) -> None:
+        """Push the counters and pool occupancy to Prometheus (with --enable-metrics)."""
+        if self.checkpoint_metrics is not None:
+            self.checkpoint_metrics.observe(self.stats, self.checkpoint_pool)
 
     # ---- checkpoint slots ----
 
@@ -354,10 +364,14 @@ class SemanticStateCache(UnifiedRadixCache):
             self.evicting_checkpoints = False
 
     def evict(self, params: EvictParams) -> EvictResult:
-        return super().evict(self._without_live_state_request(params))
+        result = super().evict(self._without_live_state_request(params))
+        self.publish_metrics()
+        return result
 
     def evict_for_alloc(self, params: EvictParams, **kwargs) -> EvictResult:
-        return super().evict_for_alloc(self._without_live_state_request(params), **kwargs)
+        result = super().evict_for_alloc(self._without_live_state_request(params), **kwargs)
+        self.publish_metrics()
+        return result
 
     def _without_live_state_request(self, params: EvictParams) -> EvictParams:
         # Outside evict_checkpoints, mamba_num asks for live request slots; the tree holds
@@ -385,6 +399,10 @@ class SemanticStateCache(UnifiedRadixCache):
 
     def checkpoint_into_tree(self, req: "Req", *, up_to: int, **kwargs) -> None:
         super().checkpoint_into_tree(req, up_to=up_to, **kwargs)
+        self._attach_staged(req)
+        self.publish_metrics()
+
+    def _attach_staged(self, req: "Req") -> None:
         staged = self._staged.get(req.rid)
         if not staged or self.disable:
             return
@@ -433,6 +451,7 @@ class SemanticStateCache(UnifiedRadixCache):
         for _, slot in self._staged.pop(req.rid, ()):
             self.checkpoint_pool.free(slot)
         super().on_release(req, checkpointed=checkpointed)
+        self.publish_metrics()
 
     def reset(self) -> None:
         super().reset()

@@ -1,0 +1,142 @@
+"""Client checkpoint hints on SGLang's request APIs: transport, validation, HTTP 400."""
+
+from __future__ import annotations
+
+import inspect
+from collections import defaultdict
+
+import numpy as np
+import pytest
+from sglang.srt.entrypoints.http_server import _create_error_response
+from sglang.srt.entrypoints.openai.protocol import ChatCompletionRequest
+from sglang.srt.managers.io_struct import GenerateReqInput
+from sglang.srt.managers.tokenizer_manager import TokenizerManager
+from sglang.srt.plugins.hook_registry import HookRegistry
+
+from sglang_hybrid.anchors.hints import InvalidCheckpointHint
+from sglang_hybrid.request_hints import (
+    CHECKPOINT_HINT_PARAM,
+    MAX_HINT_POSITIONS,
+    _validate_hint_at_tokenization,
+    install_checkpoint_hint_hook,
+    validate_request_hint,
+)
+
+PROMPT_IDS = list(range(1000, 1100))
+
+
+def with_hint(hint, **other) -> dict:
+    return {"temperature": 0.0, "custom_params": {CHECKPOINT_HINT_PARAM: hint, **other}}
+
+
+@pytest.mark.parametrize(
+    "hint, canonical",
+    [
+        ([10, 50, 100], [10, 50, 100]),
+        ("messages", "messages"),
+        ("none", "none"),
+        ("auto", "auto"),
+        (None, "auto"),
+    ],
+)
+def test_valid_hints_are_kept_in_canonical_form(hint, canonical):
+    params = validate_request_hint(with_hint(hint, thinking_budget=64), len(PROMPT_IDS))
+    assert params == with_hint(canonical, thinking_budget=64)
+
+
+@pytest.mark.parametrize("params", [None, {}, {"temperature": 0.5}, {"custom_params": {"thinking_budget": 8}}])
+def test_requests_without_a_hint_pass_untouched(params):
+    assert validate_request_hint(params, len(PROMPT_IDS)) is params
+
+
+@pytest.mark.parametrize(
+    "hint, message",
+    [
+        ([0, 10], "out of range [1, 100]"),
+        ([101], "position 101 at index 0 is out of range"),
+        ([30, 20], "not sorted"),
+        ([20, 20], "duplicated"),
+        ([10.0], "must be an integer, got float"),
+        ([True], "must be an integer, got bool"),
+        ("everything", "unknown checkpoint hint mode 'everything'"),
+        ({"at": 3}, "must be a mode name or a list of token positions, got dict"),
+        (list(range(1, MAX_HINT_POSITIONS + 2)), "too many checkpoint positions"),
+    ],
+)
+def test_invalid_hints_are_client_errors(hint, message):
+    with pytest.raises(InvalidCheckpointHint, match=message.replace("[", r"\[")):
+        validate_request_hint(with_hint(hint), len(PROMPT_IDS))
+
+
+def test_sglang_answers_an_invalid_hint_with_400_and_the_message():
+    error = None
+    try:
+        validate_request_hint(with_hint([5, 500]), len(PROMPT_IDS))
+    except ValueError as raised:  # the exception type SGLang's routes turn into a 400
+        error = raised
+    response = _create_error_response(error)
+    assert response.status_code == 400
+    assert b"checkpoint position 500 at index 1 is out of range" in response.body
+
+
+def test_openai_extra_body_reaches_the_sampling_params():
+    # The OpenAI client sends extra_body fields as top-level request fields.
+    request = ChatCompletionRequest(
+        model="default",
+        messages=[{"role": "user", "content": "hi"}],
+        custom_params={CHECKPOINT_HINT_PARAM: "messages"},
+    )
+    params = request.to_sampling_params(stop=[], model_generation_config={})
+    assert params["custom_params"] == {CHECKPOINT_HINT_PARAM: "messages"}
+
+
+def test_valid_hint_goes_on_to_sglangs_tokenization_in_canonical_form():
+    received = []
+
+    def sglang_tokenization(manager, obj, input_text, input_ids, *args):
+        received.append((obj.sampling_params, input_ids, args))
+        return "tokenized"
+
+    request = GenerateReqInput(input_ids=PROMPT_IDS, sampling_params=with_hint(np.array([3, 7])))
+    result = _validate_hint_at_tokenization(
+        sglang_tokenization, None, request, None, PROMPT_IDS, None, None, None
+    )
+    assert result == "tokenized"
+    [(params, input_ids, rest)] = received
+    assert params == with_hint([3, 7])
+    assert type(params["custom_params"][CHECKPOINT_HINT_PARAM][0]) is int  # JSON/msgpack-safe
+    assert input_ids is PROMPT_IDS and rest == (None, None, None)
+
+
+@pytest.fixture
+def hooked_tokenizer_manager(monkeypatch):
+    """TokenizerManager with the hint hook applied through SGLang's HookRegistry, undone
+    after the test."""
+    monkeypatch.setattr(HookRegistry, "_hooks", defaultdict(list))
+    monkeypatch.setattr(HookRegistry, "_patched", set())
+    monkeypatch.setattr(
+        TokenizerManager, "_create_tokenized_object", TokenizerManager._create_tokenized_object
+    )
+    install_checkpoint_hint_hook()
+    HookRegistry.apply_hooks()
+    return TokenizerManager
+
+
+def test_hook_target_has_the_arguments_the_hook_reads():
+    names = list(inspect.signature(TokenizerManager._create_tokenized_object).parameters)
+    assert names[:5] == ["self", "obj", "input_text", "input_ids", "input_embeds"]
+
+
+def test_hooked_tokenization_refuses_an_invalid_hint(hooked_tokenizer_manager):
+    manager = object.__new__(hooked_tokenizer_manager)  # the hook fails before SGLang's code runs
+    request = GenerateReqInput(input_ids=PROMPT_IDS, sampling_params=with_hint([50, 40]))
+    with pytest.raises(InvalidCheckpointHint, match="not sorted"):
+        manager._create_tokenized_object(request, None, PROMPT_IDS)
+
+
+def test_hooked_tokenization_measures_embedding_prompts(hooked_tokenizer_manager):
+    manager = object.__new__(hooked_tokenizer_manager)
+    embeds = [[0.0] * 4] * 8
+    request = GenerateReqInput(input_embeds=embeds, sampling_params=with_hint([9]))
+    with pytest.raises(InvalidCheckpointHint, match=r"out of range \[1, 8\]"):
+        manager._create_tokenized_object(request, None, None, embeds)
