@@ -119,3 +119,14 @@ def build_tiered(device_slots: int, host_slots: int, **spec_overrides) -> Schedu
         ),
     )
     return SchedulerDriver(t)
+
+
+def tree_nodes(cache) -> list:
+    """Every node of the cache's tree but the root."""
+    stack, out = [cache.tree_core.root_node], []
+    while stack:
+        node = stack.pop()
+        stack.extend(node.children.values())
+        if node.parent is not None:
+            out.append(node)
+    return out

@@ -31,22 +31,13 @@ from cache_fixtures import (
     build_tiered,
     fingerprint,
     live_state_fingerprint,
+    tree_nodes,
     write_checkpoint_slot,
     write_live_state,
 )
 
 MAMBA, FULL = ComponentType.MAMBA, ComponentType.FULL
 MAX_IN_FLIGHT = 3
-
-
-def tree_nodes(cache):
-    stack, out = [cache.tree_core.root_node], []
-    while stack:
-        node = stack.pop()
-        stack.extend(node.children.values())
-        if node.parent is not None:
-            out.append(node)
-    return out
 
 
 def path_tokens(node) -> list[int]:

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
-from cache_fixtures import build_tiered, serve
+from cache_fixtures import build_tiered, serve, tree_nodes
 from test_semantic_cache import assert_slot_accounting, checkpoint_slots_in_tree
 
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+from sglang.srt.mem_cache.unified_cache.components.base import ComponentType
+
+MAMBA = ComponentType.MAMBA
 
 
 def sessions(n):
@@ -18,29 +21,15 @@ def held(driver, prompt):
 
 def assert_tiers_accounted(driver):
     assert_slot_accounting(driver)
-    mamba = driver.cache.components[driver.cache.tree_components[-1]]
+    mamba = driver.cache.components[MAMBA]
     tier = driver.cache.checkpoint_pool.host_tier
     host = [int(s) for s in mamba.host_slots.values()]
     assert len(set(host)) == len(host)
     assert not set(host) & set(tier.free_slot_ids())
     assert tier.used_size() == len(host) == len(mamba.host_lru)
     # a node never holds its state in both tiers
-    device_nodes = {n.id for n in _nodes(driver.cache) if n.component_data[n_type(driver)].value is not None}
+    device_nodes = {n.id for n in tree_nodes(driver.cache) if n.component_data[MAMBA].value is not None}
     assert not device_nodes & set(mamba.host_slots)
-
-
-def n_type(driver):
-    return driver.cache.tree_components[-1]
-
-
-def _nodes(cache):
-    stack, out = [cache.tree_core.root_node], []
-    while stack:
-        node = stack.pop()
-        stack.extend(node.children.values())
-        if node.parent is not None:
-            out.append(node)
-    return out
 
 
 def test_device_evictions_are_demoted_and_still_matchable():

@@ -13,7 +13,7 @@ from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 from sglang.srt.mem_cache.registry import registered_radix_cache_backends
 from sglang.srt.mem_cache.unified_cache.components.base import ComponentType
 
-from cache_fixtures import build, fingerprint, serve, write_checkpoint_slot, write_live_state
+from cache_fixtures import build, fingerprint, serve, tree_nodes, write_checkpoint_slot, write_live_state
 from sglang_hybrid.cache.semantic_cache import SemanticStateCache, node_depth
 
 MAMBA = ComponentType.MAMBA
@@ -22,24 +22,12 @@ SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
 
 def checkpoint_depths(cache) -> list[int]:
     """Depths of every node holding a checkpoint, walking the real tree."""
-    depths, stack = [], [cache.tree_core.root_node]
-    while stack:
-        node = stack.pop()
-        stack.extend(node.children.values())
-        if node.parent is not None and node.component_data[MAMBA].value is not None:
-            depths.append(node_depth(node))
-    return sorted(depths)
+    return sorted(node_depth(n) for n in tree_nodes(cache) if n.component_data[MAMBA].value is not None)
 
 
 def checkpoint_slots_in_tree(cache) -> list[int]:
-    slots, stack = [], [cache.tree_core.root_node]
-    while stack:
-        node = stack.pop()
-        stack.extend(node.children.values())
-        value = node.component_data[MAMBA].value
-        if node.parent is not None and value is not None:
-            slots.append(int(value))
-    return slots
+    return [int(n.component_data[MAMBA].value) for n in tree_nodes(cache)
+            if n.component_data[MAMBA].value is not None]
 
 
 def assert_slot_accounting(driver) -> None:

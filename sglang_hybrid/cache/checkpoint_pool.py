@@ -54,6 +54,20 @@ class StateLayout:
             temporal_dtype=cache.temporal.dtype,
         )
 
+    def allocate(self, rows: int, device, pin_memory: bool = False):
+        """Zeroed (conv list, temporal) tensors of ``rows`` slots in this layout."""
+        conv = [
+            torch.zeros((self.num_layers, rows, *shape), dtype=dtype, device=device, pin_memory=pin_memory)
+            for shape, dtype in zip(self.conv_shapes, self.conv_dtypes)
+        ]
+        temporal = torch.zeros(
+            (self.num_layers, rows, *self.temporal_shape),
+            dtype=self.temporal_dtype,
+            device=device,
+            pin_memory=pin_memory,
+        )
+        return conv, temporal
+
     @property
     def bytes_per_slot(self) -> int:
         conv = sum(
@@ -81,16 +95,8 @@ class StateCheckpointPool:
         self.layout = layout
         self.num_slots = num_slots
         self.device = torch.device(device)
-        rows = num_slots + 1  # row 0 is the reserved dummy slot
-        self.conv: List[torch.Tensor] = [
-            torch.zeros((layout.num_layers, rows, *shape), dtype=dtype, device=self.device)
-            for shape, dtype in zip(layout.conv_shapes, layout.conv_dtypes)
-        ]
-        self.temporal = torch.zeros(
-            (layout.num_layers, rows, *layout.temporal_shape),
-            dtype=layout.temporal_dtype,
-            device=self.device,
-        )
+        # Row 0 is the reserved dummy slot.
+        self.conv, self.temporal = layout.allocate(num_slots + 1, self.device)
         self.allocator = MambaSlotAllocator(size=num_slots, device=self.device)
         # Where device evictions go instead of being dropped; None keeps one tier.
         self.host_tier = HostCheckpointTier(layout, host_slots, self) if host_slots else None

@@ -33,16 +33,8 @@ class HostCheckpointTier:
         self.num_slots = num_slots
         self.device_pool = device_pool
         self.on_gpu = device_pool.device.type == "cuda"
-        rows = num_slots + 1  # row 0 reserved, as in the device pool
-        self.conv = [
-            torch.zeros((layout.num_layers, rows, *shape), dtype=dtype, pin_memory=self.on_gpu)
-            for shape, dtype in zip(layout.conv_shapes, layout.conv_dtypes)
-        ]
-        self.temporal = torch.zeros(
-            (layout.num_layers, rows, *layout.temporal_shape),
-            dtype=layout.temporal_dtype,
-            pin_memory=self.on_gpu,
-        )
+        # Row 0 reserved, as in the device pool.
+        self.conv, self.temporal = layout.allocate(num_slots + 1, "cpu", pin_memory=self.on_gpu)
         self.allocator = MambaSlotAllocator(size=num_slots, device="cpu")
         self.stream = torch.cuda.Stream(device=device_pool.device) if self.on_gpu else None
         # (event, device slot) of demotions in flight: the slot is freed when the copy is done.
