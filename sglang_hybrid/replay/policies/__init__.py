@@ -50,3 +50,4 @@ def make_policy(name: str, budget_slots: int, profile: CostProfile) -> Policy:
 
 __all__ = ["PEER_POLICIES", "POLICIES", "Policy", "PolicyFactory", "ReplayStep", "ServeOutcome", "drive", "make_policy",
            "register_policy"]
+from . import semantic  # noqa: E402,F401  (registers "semantic"; it imports SGLang only when built)

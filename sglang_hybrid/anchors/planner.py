@@ -1,0 +1,498 @@
+"""CheckpointPlanner: which depths of a request get a recurrent-state checkpoint, under a budget.
+
+A checkpoint is worth its slot only if a later request restores from it, and a later request
+restores from the deepest checkpoint at or before the point where it leaves the tree. Three
+kinds of points are reached again:
+
+* the end of the request (append-only continuation): the cache keeps the generation-end state
+  on finish; the planner keeps ``len(prompt) - 1`` as well, so an identical repeat (or a
+  re-rendered output) recomputes one token;
+* where the session's next request will *edit* its history (observation masking, stripped
+  reasoning, a rewritten memory block). Edits follow a rule of the agent framework, so the
+  planner learns the rule online: each past edit point (first divergence vs the session's
+  previous request) is described in several coordinate systems -- absolute position, n-th
+  anchor from the start, n-th anchor of a kind from the end, n-th anchor of a kind after the
+  last user message -- and every description is scored by how well it would have predicted the
+  edits that followed. The best descriptions, evaluated on the current request, give the depths
+  the next edit needs;
+* branch points, where a request leaves a path other requests share (a system prompt common to
+  all sessions): a checkpoint at the shared anchor there serves every later session.
+
+Budget: one value function, *expected recomputed tokens saved* = P(the next request that can
+use it does) x (depth - the session's shared base), ranks candidates for admission and held
+checkpoints for eviction (installed as the cache's ``eviction_scorer``), so a flood of
+message-start checkpoints never pushes out the continuation states the next turns need.
+
+Every decision is a deterministic function of the request stream: the clock is the number of
+requests planned, no randomness, no wall time, and no iteration over hash-ordered containers,
+so tensor-parallel ranks running their own planner agree.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_right
+from dataclasses import dataclass, field
+from enum import IntEnum
+from typing import Iterable, Optional, Sequence
+
+import numpy as np
+
+from sglang_hybrid.anchors.detector import AnchorKind, Anchors, Role
+from sglang_hybrid.anchors.hints import HintMode, ValidatedHint
+
+
+class Purpose(IntEnum):
+    """Why a checkpoint was taken; it decides how its value is estimated."""
+
+    CONTINUATION = 0  # the generation-end state a request leaves on finish
+    PROMPT_TAIL = 1  # len(prompt) - 1: identical repeats, re-rendered outputs
+    PREDICTED_EDIT = 2  # where the session's next edit is predicted
+    BRANCH = 3  # where requests leave a path shared with other requests
+    HINT = 4  # a client-requested position
+
+
+@dataclass(frozen=True)
+class RequestContext:
+    """What the planner needs to know about one request at admission.
+
+    ``anchors`` come from ``AnchorDetector.detect(prompt_ids, output_ids)``; ``output_ids`` are
+    the tokens the request is expected to leave in the tree (in replay, known; in a server,
+    those of the previous turn are what matters and the current ones may be empty).
+    ``tree_lcp`` is how many prompt tokens the tree's KV already holds; ``held_depths`` the
+    depths of checkpoints on that path; ``restored_depth``/``restored_slot`` what the cache's
+    match restored (0/None for none); ``free_slots`` how many checkpoint slots are unused.
+    """
+
+    session: str
+    prompt_ids: np.ndarray
+    output_ids: np.ndarray
+    anchors: Anchors
+    tree_lcp: int
+    held_depths: Sequence[int]
+    restored_depth: int
+    restored_slot: Optional[int]
+    free_slots: int
+    hint: Optional[ValidatedHint] = None
+
+
+@dataclass(frozen=True)
+class PlannedCheckpoint:
+    depth: int
+    purpose: Purpose
+    value: float  # expected recomputed tokens saved, the admission criterion
+
+
+@dataclass(frozen=True)
+class CheckpointPlan:
+    """Checkpoints to capture during the request's prefill, sorted by depth, all in
+    (restored depth, len(prompt)]."""
+
+    checkpoints: tuple[PlannedCheckpoint, ...]
+
+    @property
+    def depths(self) -> list[int]:
+        return [c.depth for c in self.checkpoints]
+
+
+# ---- edit-point coordinates ----
+#
+# An address names a point of a token sequence by its anchors, independent of the sequence's
+# length; evaluated on the next sequence it gives where "the same" point is now. Encoded as
+# tuples of ints (hashable with a process-independent hash).
+ABSOLUTE = 0  # (ABSOLUTE, position)
+FROM_START = 1  # (FROM_START, index among distinct anchor positions)
+FROM_END = 2  # (FROM_END, kind, role, n): the n-th anchor of (kind, role), counting from the end
+AFTER_LAST_USER = 3  # (AFTER_LAST_USER, kind, role, n): relative to the last user message start
+
+Address = tuple[int, ...]
+
+
+class _AnchorIndex:
+    """Anchor positions of one sequence, grouped the ways addresses look them up."""
+
+    def __init__(self, anchors: Anchors, length: int):
+        self.length = length
+        self.unique = anchors.unique_positions()
+        self.by_key: dict[tuple[int, int], np.ndarray] = {}
+        for kind, role in sorted(set(zip(anchors.kinds.tolist(), anchors.roles.tolist()))):
+            mask = (anchors.kinds == kind) & (anchors.roles == role)
+            self.by_key[(kind, role)] = anchors.positions[mask]
+        users = self.by_key.get((int(AnchorKind.MESSAGE_START), int(Role.USER)))
+        self.last_user = int(users[-1]) if users is not None and users.size else None
+        self._anchors = anchors
+
+    def addresses_of(self, position: int) -> list[Address]:
+        """Every address naming ``position`` itself (an edit inside a message has no anchor of
+        its own) or the deepest anchor at or before it.
+
+        An anchor address names the anchor, not the edit a few tokens past it: the template
+        text between the two (a message header) is the same in every message, but where the
+        content first differs is not, and a checkpoint one token too deep is unusable.
+        """
+        addresses: list[Address] = [(ABSOLUTE, position)]
+        index = int(np.searchsorted(self.unique, position, side="right")) - 1
+        if index < 0:
+            return addresses
+        anchor = int(self.unique[index])
+        addresses.append((FROM_START, index))
+        at = self._anchors.positions == anchor
+        for kind, role in sorted(set(zip(self._anchors.kinds[at].tolist(), self._anchors.roles[at].tolist()))):
+            positions = self.by_key[(kind, role)]
+            rank = int(positions.size - np.searchsorted(positions, anchor, side="left"))
+            addresses.append((FROM_END, kind, role, rank))
+            if self.last_user is not None:
+                after = int(np.searchsorted(positions, self.last_user, side="right"))
+                mine = int(np.searchsorted(positions, anchor, side="left"))
+                addresses.append((AFTER_LAST_USER, kind, role, mine - after + 1))
+        return addresses
+
+    def position_of(self, address: Address) -> Optional[int]:
+        kind = address[0]
+        if kind == ABSOLUTE:
+            return address[1] if address[1] <= self.length else None
+        if kind == FROM_START:
+            return int(self.unique[address[1]]) if address[1] < self.unique.size else None
+        positions = self.by_key.get((address[1], address[2]))
+        if positions is None:
+            return None
+        if kind == FROM_END:
+            n = address[3]
+            return int(positions[-n]) if n <= positions.size else None
+        if self.last_user is None:
+            return None
+        index = int(np.searchsorted(positions, self.last_user, side="right")) + address[3] - 1
+        return int(positions[index]) if 0 <= index < positions.size else None
+
+
+class _EditModel:
+    """Addresses of past edit points, scored by how often each named the restore point of the
+    edits that followed.
+
+    Shares form a distribution over the addresses (ties split an edit's credit), so several
+    rules mixing in one session -- a masked observation on tool turns, a re-rendered answer on
+    user turns -- each keep the probability of their own edits.
+    """
+
+    def __init__(self, capacity: int, learning_rate: float):
+        self.capacity = capacity
+        self.learning_rate = learning_rate
+        # Address -> running frequency with which it named the checkpoint an edit would
+        # restore from: the deepest point at or before the edit among all addresses scored.
+        self.shares: dict[Address, float] = {}
+
+    def observe(self, index: _AnchorIndex, edit_point: int, prior: Optional["_EditModel"]) -> None:
+        """Learn from one edit: the request diverged from the sequence ``index`` describes at
+        ``edit_point``."""
+        reached = {address: index.position_of(address) for address in self.shares}
+        usable = [depth for depth in reached.values() if depth is not None and depth <= edit_point]
+        best = max(usable, default=None)
+        winners = sum(1 for depth in usable if depth == best)
+        for address, share in self.shares.items():
+            target = 1.0 / winners if best is not None and reached[address] == best else 0.0
+            self.shares[address] = share + self.learning_rate * (target - share)
+        new = [address for address in index.addresses_of(edit_point) if address not in self.shares]
+        for address in new:
+            # A description of the edit just seen has predicted nothing yet: it starts at the
+            # stream-wide share of that description, else at zero, so shares stay frequencies
+            # (summing to at most one) and a description earns weight only by predicting.
+            self.shares[address] = prior.shares.get(address, 0.0) if prior is not None else 0.0
+        excess = len(self.shares) - self.capacity
+        if excess > 0:
+            # The descriptions just added have not competed yet: drop the weakest of the others
+            # (the oldest first among equals).
+            veterans = [address for address in self.shares if address not in new]
+            weakest = sorted(range(len(veterans)), key=lambda i: (self.shares[veterans[i]], i))[:excess]
+            for i in weakest:
+                del self.shares[veterans[i]]
+
+    def predict(self, index: _AnchorIndex, limit: int) -> dict[int, float]:
+        """Depth -> probability that the next edit restores from a checkpoint there, for the
+        ``limit`` most likely depths, evaluated on ``index``."""
+        predictions: dict[int, float] = {}
+        for address, share in self.shares.items():
+            depth = index.position_of(address)
+            if depth is None or depth <= 0 or share <= 0.0:
+                continue
+            predictions[depth] = predictions.get(depth, 0.0) + share
+        ranked = sorted(predictions.items(), key=lambda item: (-item[1], item[0]))[:limit]
+        return {depth: min(probability, 1.0) for depth, probability in ranked}
+
+
+@dataclass
+class _Record:
+    session: str
+    depth: int
+    purpose: Purpose
+    created: int
+    uses: int = 0
+
+
+@dataclass
+class _Session:
+    last_clock: int
+    sequence: Optional[np.ndarray] = None  # prompt + output of the latest request
+    index: Optional[_AnchorIndex] = None
+    transitions: int = 0  # requests that followed an earlier request of the session
+    edits: int = 0  # of those, requests that diverged before the earlier request's end
+    gap_total: int = 0  # requests of any session between consecutive requests of this one
+    base_depth: int = 0  # shared-prefix depth the session started from
+    continuation_slot: Optional[int] = None
+    # Slot -> depth of the session's checkpoints on its current path: those before its last
+    # edit point. The others can only serve a request that undoes an edit.
+    on_path: dict[int, int] = field(default_factory=dict)
+    # Depth -> P(the next request's edit restores from a checkpoint at that depth).
+    predictions: dict[int, float] = field(default_factory=dict)
+    model: Optional[_EditModel] = None
+
+
+class CheckpointPlanner:
+    """Plans checkpoints per request and values held checkpoints for eviction.
+
+    The budget it plans for is the cache's checkpoint pool: ``RequestContext.free_slots`` and
+    the checkpoints it has recorded. Use: ``plan(ctx)`` at admission (it also learns from the request); capture the returned
+    depths during prefill; after the request is in the tree, ``record_checkpoint`` every slot
+    that holds one of its checkpoints (the staged ones and the generation-end one);
+    ``forget_slots`` the slots the pool reports free; install ``eviction_score`` as the
+    cache's ``eviction_scorer``.
+    """
+
+    def __init__(
+        self,
+        *,
+        predictions_per_request: int = 3,
+        model_capacity: int = 16,
+        learning_rate: float = 0.3,
+    ):
+        self.predictions_per_request = predictions_per_request
+        self.clock = 0
+        self.sessions: dict[str, _Session] = {}
+        self.records: dict[int, _Record] = {}
+        self._model_capacity = model_capacity
+        self._learning_rate = learning_rate
+        # Stream-wide edit model and rates: the prior for sessions with little history.
+        self.global_model = _EditModel(model_capacity, learning_rate)
+        self.transitions = 0
+        self.edits = 0
+        self.gap_total = 0
+
+    # ---- planning ----
+
+    def plan(self, ctx: RequestContext) -> CheckpointPlan:
+        self.clock += 1
+        prompt_len = int(ctx.prompt_ids.shape[0])
+        session = self.sessions.get(ctx.session)
+        own_prefix = 0
+        if session is None:
+            session = self.sessions[ctx.session] = _Session(last_clock=self.clock)
+            session.base_depth = ctx.restored_depth
+        else:
+            own_prefix = self._learn_transition(session, ctx.prompt_ids)
+        if ctx.restored_slot is not None and ctx.restored_slot in self.records:
+            self.records[ctx.restored_slot].uses += 1
+        # The previous continuation state was just consumed (or bypassed by an edit); the one
+        # this request leaves replaces it once recorded.
+        session.continuation_slot = None
+
+        sequence = np.concatenate([ctx.prompt_ids, ctx.output_ids]) if ctx.output_ids.size else ctx.prompt_ids
+        index = _AnchorIndex(ctx.anchors, int(sequence.shape[0]))
+        model = session.model if session.model is not None and session.edits else self.global_model
+        session.predictions = {
+            depth: probability * self._edit_probability(session)
+            for depth, probability in model.predict(index, self.predictions_per_request).items()
+        }
+        session.sequence, session.index = sequence, index
+        session.last_clock = self.clock
+
+        candidates = self._candidates(ctx, session, prompt_len, own_prefix)
+        return CheckpointPlan(self._admit(candidates, ctx))
+
+    def _learn_transition(self, session: _Session, prompt: np.ndarray) -> int:
+        """Learn from how this prompt continues the session's previous request; return the
+        length of their common prefix."""
+        previous = session.sequence
+        n = min(previous.shape[0], prompt.shape[0])
+        differ = np.flatnonzero(previous[:n] != prompt[:n])
+        common = int(differ[0]) if differ.size else n
+        session.transitions += 1
+        self.transitions += 1
+        session.on_path = {slot: depth for slot, depth in session.on_path.items() if depth <= common}
+        gap = self.clock - session.last_clock
+        session.gap_total += gap
+        self.gap_total += gap
+        # The previous request's final state covers all but its last output token, so a
+        # prompt that keeps at least that much is a continuation, not an edit.
+        if common < previous.shape[0] - 1 and common > 0:
+            session.edits += 1
+            self.edits += 1
+            if session.model is None:
+                session.model = _EditModel(self._model_capacity, self._learning_rate)
+            session.model.observe(session.index, common, self.global_model)
+            self.global_model.observe(session.index, common, None)
+        return common
+
+    def _candidates(
+        self, ctx: RequestContext, session: _Session, prompt_len: int, own_prefix: int
+    ) -> list[tuple[int, Purpose]]:
+        hint = ctx.hint
+        if hint is not None and hint.mode is HintMode.NONE:
+            return []
+        lowest = ctx.restored_depth
+        held = set(int(d) for d in ctx.held_depths)
+        candidates: dict[int, Purpose] = {}
+
+        def propose(depth: int, purpose: Purpose) -> None:
+            if lowest < depth <= prompt_len and depth not in held and depth not in candidates:
+                candidates[depth] = purpose
+
+        if hint is not None and hint.mode is HintMode.EXPLICIT:
+            for depth in hint.positions.tolist():
+                propose(int(depth), Purpose.HINT)
+        if hint is not None and hint.mode is HintMode.MESSAGES:
+            for depth in ctx.anchors.of_kind(AnchorKind.MESSAGE_START).tolist():
+                propose(int(depth), Purpose.HINT)
+        propose(prompt_len - 1, Purpose.PROMPT_TAIL)
+        for depth in sorted(session.predictions):
+            # A predicted point in the output or at the prompt end is covered by the
+            # prompt-tail and generation-end states.
+            if depth < prompt_len - 1:
+                propose(depth, Purpose.PREDICTED_EDIT)
+        branch = self._branch_depth(ctx, prompt_len, own_prefix)
+        if branch is not None:
+            propose(branch, Purpose.BRANCH)
+        return sorted(candidates.items())
+
+    @staticmethod
+    def _branch_depth(ctx: RequestContext, prompt_len: int, own_prefix: int) -> Optional[int]:
+        """Where this prompt leaves a path it shares with *other* requests, if it does.
+
+        Checkpointed at the deepest anchor at or before the divergence: sessions that share a
+        system prompt part ways a few tokens into their first message, at a different token
+        each, but all of them pass the message start.
+        """
+        shared = min(ctx.tree_lcp, prompt_len - 1)
+        if shared <= max(ctx.restored_depth, own_prefix):
+            return None
+        anchor = ctx.anchors.last_at_or_before(shared)
+        if anchor is not None and anchor > max(ctx.restored_depth, own_prefix):
+            return anchor
+        return shared
+
+    def _admit(self, candidates: list[tuple[int, Purpose]], ctx: RequestContext) -> tuple[PlannedCheckpoint, ...]:
+        session = self.sessions[ctx.session]
+        valued = [
+            PlannedCheckpoint(depth, purpose, self._value(session, depth, purpose, None, self.clock, 0))
+            for depth, purpose in candidates
+        ]
+        free = ctx.free_slots
+        held_values = sorted(
+            self._record_value(slot, record) for slot, record in self.records.items()
+        )
+        admitted = []
+        # Most valuable first: each admission without a free slot displaces the least valuable
+        # held checkpoint, which is then no longer the bar for the next one.
+        for checkpoint in sorted(valued, key=lambda c: (-c.value, c.depth)):
+            if checkpoint.purpose in (Purpose.PROMPT_TAIL, Purpose.HINT):
+                admitted.append(checkpoint)
+            elif free > 0:
+                if checkpoint.value > 0.0:
+                    admitted.append(checkpoint)
+            elif held_values and checkpoint.value > held_values[0]:
+                admitted.append(checkpoint)
+                held_values.pop(0)
+            else:
+                continue
+            free -= 1
+        return tuple(sorted(admitted, key=lambda c: c.depth))
+
+    # ---- bookkeeping after a request ----
+
+    def record_checkpoint(self, slot: int, session: str, depth: int, purpose: Purpose) -> None:
+        """``slot`` now holds ``session``'s checkpoint at ``depth`` (taken for ``purpose``)."""
+        owner = self.sessions.get(session)
+        if owner is None:
+            raise KeyError(f"session {session!r} was never planned")
+        previous = self.records.get(slot)
+        if previous is not None:
+            self.sessions[previous.session].on_path.pop(slot, None)
+        self.records[slot] = _Record(session, depth, purpose, self.clock)
+        owner.on_path[slot] = depth
+        if purpose is Purpose.CONTINUATION:
+            owner.continuation_slot = slot
+
+    def forget_slots(self, free_slots: Iterable[int]) -> None:
+        """Drop what the planner knows about slots the pool reports free (evicted, or a capture
+        that never reached the tree)."""
+        for slot in free_slots:
+            record = self.records.pop(int(slot), None)
+            if record is not None:
+                self.sessions[record.session].on_path.pop(int(slot), None)
+
+    # ---- valuation ----
+
+    def eviction_score(self, slot: int, depth: int) -> float:
+        """The cache's ``eviction_scorer``: expected tokens saved by keeping this checkpoint.
+
+        A slot the planner does not know (or knows at another depth) is worth nothing.
+        """
+        record = self.records.get(slot)
+        if record is None or record.depth != depth:
+            return 0.0
+        return self._record_value(slot, record)
+
+    def _record_value(self, slot: int, record: _Record) -> float:
+        session = self.sessions[record.session]
+        return self._value(session, record.depth, record.purpose, slot, record.created, record.uses)
+
+    def _value(
+        self, session: _Session, depth: int, purpose: Purpose, slot: Optional[int], created: int, uses: int
+    ) -> float:
+        """Expected recomputed tokens saved by a checkpoint of ``session`` at ``depth``: held in
+        ``slot``, or a candidate when ``slot`` is None."""
+        gap = self._mean_gap(session)
+        if purpose is Purpose.BRANCH:
+            # Shared by sessions to come: worth its depth per use, at the rate it has been
+            # used since it was taken (counting its taking as one use).
+            rate = (uses + 1) / (self.clock - created + gap)
+            return depth * min(1.0, rate * gap)
+        if slot is not None and slot not in session.on_path:
+            return 0.0
+        edit = self._edit_probability(session)
+        probability = self._edit_credit(session, depth, slot)
+        if slot is not None and slot == session.continuation_slot:
+            probability += 1.0 - edit
+        if purpose is Purpose.HINT:
+            # The client says an edit will land here: trust it as much as the session's edits.
+            probability = max(probability, edit)
+        if probability <= 0.0:
+            return 0.0
+        return probability * self._alive(session, gap) * max(depth - session.base_depth, 1)
+
+    @staticmethod
+    def _edit_credit(session: _Session, depth: int, slot: Optional[int]) -> float:
+        """P(the next edit restores from this checkpoint): the predicted edit points for which
+        it is the deepest of the session's checkpoints at or before the point."""
+        others = sorted(d for s, d in session.on_path.items() if s != slot)
+        credit = 0.0
+        for point, probability in session.predictions.items():
+            if depth > point:
+                continue
+            index = bisect_right(others, point) - 1
+            if index < 0 or others[index] <= depth:
+                credit += probability
+        return credit
+
+    def _edit_probability(self, session: _Session) -> float:
+        """P(the session's next request edits its history), the stream's rate as a prior."""
+        prior = (self.edits + 1) / (self.transitions + 2)
+        return (session.edits + 2 * prior) / (session.transitions + 2)
+
+    def _mean_gap(self, session: _Session) -> float:
+        prior = (self.gap_total + 1) / (self.transitions + 1)
+        return (session.gap_total + 2 * prior) / (session.transitions + 2)
+
+    def _alive(self, session: _Session, gap: float) -> float:
+        """P(the session sends another request), from how long it has been silent: sure
+        within twice its usual gap, then falling off as a session that ended would."""
+        idle = self.clock - session.last_clock
+        horizon = 2.0 * gap
+        return 1.0 if idle <= horizon else (horizon / idle) ** 2

@@ -1,0 +1,183 @@
+"""`semantic`: our policy, replayed through the real cache.
+
+Every request goes through a ``SemanticStateCache`` built by SGLang's registry and driven the
+way SGLang's scheduler drives it (``SchedulerDriver``): admission match with copy-on-write
+restore, the ``CheckpointPlanner``'s checkpoints staged during the request, insert of the
+request with its final state on finish, evictions by the cache itself with the planner as
+its ``eviction_scorer``. The reported reuse is what the cache restored.
+
+The state layout is one tiny recurrent layer (copies cost nothing; the budget is a slot
+count), and the KV pool is sized so it never evicts on the traces we replay, matching the
+replay's unbounded-KV semantics; should a trace outgrow it, the cache evicts KV (LRU) and the
+policy counts the evicted tokens in ``kv_tokens_evicted``, so the deviation is visible (it can
+only lose reuse, never gain any).
+
+The tree holds prompt + output[:-1] of each request: the last sampled token is never fed back
+through the model, so the final state -- and SGLang's insert on finish -- stops before it.
+"""
+
+from __future__ import annotations
+
+from array import array
+from typing import TYPE_CHECKING, Optional
+
+import numpy as np
+
+from ...anchors.detector import AnchorDetector
+from ...anchors.hints import validate_hints
+from ...anchors.planner import CheckpointPlanner, Purpose, RequestContext
+from . import register_policy
+from .base import Policy, ReplayStep, ServeOutcome
+
+if TYPE_CHECKING:
+    from ...cache.standalone import HybridPoolSpec
+
+# Distinct tokens of the replayed traces: tau-bench airline 0.7M append-only, 1.6M under the
+# aider emulator; SWE-agent 0.03M. Every KV free concatenates the allocator's free list, so a
+# pool much larger than needed slows the replay down.
+DEFAULT_KV_TOKENS = 1 << 21
+DEFAULT_MAX_CONTEXT = 1 << 18
+
+
+def tiny_state_spec(kv_tokens: int = DEFAULT_KV_TOKENS, max_context: int = DEFAULT_MAX_CONTEXT) -> "HybridPoolSpec":
+    """Pools for replay: one recurrent and one attention layer, a few bytes per state and per
+    token, so a checkpoint copy is negligible and millions of KV tokens fit in memory."""
+    import torch
+    from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateDType, Mamba2StateShape
+
+    from ...cache.standalone import HybridPoolSpec
+
+    shape = Mamba2StateShape.create(
+        tp_world_size=1, intermediate_size=2, n_groups=1, num_heads=1, head_dim=2, state_size=1, conv_kernel=2,
+    )
+    params = Mamba2CacheParams(
+        shape=shape, layers=[0], dtype=Mamba2StateDType(conv=torch.bfloat16, temporal=torch.float32)
+    )
+    return HybridPoolSpec(
+        cache_params=params,
+        full_attention_layer_ids=(1,),
+        kv_head_num=1,
+        kv_head_dim=1,
+        kv_dtype=torch.bfloat16,
+        kv_size=kv_tokens,
+        max_num_reqs=2,
+        max_context_len=max_context,
+    )
+
+
+class SemanticPolicy(Policy):
+    name = "semantic"
+
+    def __init__(self, budget_slots, profile, *, detector: AnchorDetector | None = None,
+                 spec: "HybridPoolSpec | None" = None, max_hints: int = 64):
+        super().__init__(budget_slots, profile)
+        # Importing SGLang takes seconds; only a replay that uses this policy pays for it.
+        from sglang.srt.mem_cache.unified_cache.components.base import ComponentType
+
+        from ...cache.standalone import SchedulerDriver, build_tree_cache
+        from ...config import SemanticCacheConfig
+
+        self._mamba = ComponentType.MAMBA
+        # The replay's converters render with ChatML/Qwen3 templates and the Qwen3 tokenizer.
+        self.detector = detector or AnchorDetector.for_family("chatml")
+        self.max_hints = max_hints
+        self.under_test = build_tree_cache(
+            "semantic", spec or tiny_state_spec(),
+            config=SemanticCacheConfig(state_checkpoint_slots=budget_slots),
+        )
+        self.driver = SchedulerDriver(self.under_test)
+        self.cache = self.under_test.cache
+        self.planner = CheckpointPlanner()
+        self.cache.eviction_scorer = self.planner.eviction_score
+        self.kv_tokens_evicted = 0
+
+    @property
+    def slots_in_use(self) -> int:
+        return self.cache.checkpoint_pool.used_size()
+
+    def serve(self, step: ReplayStep) -> ServeOutcome:
+        request = step.request
+        prompt = request.input_ids
+        kept_output = request.output_ids[:-1]
+        req = self.driver.new_request(prompt.tolist(), kept_output.tolist())
+        self._reserve_kv(len(prompt) + len(kept_output))
+        result = self.driver.admit(req)
+        restored = int(result.device_prefix_len)
+        source = req.kv.mamba_cow_src_index
+        restored_slot = int(source) if source is not None and restored > 0 else None
+        self.driver.run_copy_on_write(req)
+
+        lcp, held = self._path_checkpoints(prompt)
+        hint = validate_hints(request.anchors, len(prompt), self.max_hints) if request.anchors else None
+        plan = self.planner.plan(RequestContext(
+            session=request.session,
+            prompt_ids=prompt,
+            output_ids=kept_output,
+            anchors=self.detector.detect(prompt, kept_output),
+            tree_lcp=lcp,
+            held_depths=[depth for depth, _ in held],
+            restored_depth=restored,
+            restored_slot=restored_slot,
+            free_slots=self.cache.checkpoint_pool.available_size(),
+            hint=hint,
+        ))
+        taken_before = self.cache.stats.taken
+        for checkpoint in plan.checkpoints:
+            slot = self.cache.alloc_checkpoint_slot()
+            if slot is None:
+                break
+            # The replay checks placement, not numerics: the slot's content is not written.
+            self.cache.stage_checkpoint(req, checkpoint.depth, slot)
+            self.planner.record_checkpoint(int(slot), request.session, checkpoint.depth, checkpoint.purpose)
+        self.driver.finish(req)
+
+        final_depth = len(prompt) + len(kept_output)
+        final_slot = self._slot_at(np.concatenate([prompt, kept_output]), final_depth)
+        if final_slot is not None:
+            self.planner.record_checkpoint(final_slot, request.session, final_depth, Purpose.CONTINUATION)
+        self.planner.forget_slots(self.cache.checkpoint_pool.free_slot_ids())
+        self._note_usage()
+        return ServeOutcome(len(prompt), restored, len(prompt) - restored,
+                            self.cache.stats.taken - taken_before, restored)
+
+    # ---- reading the real tree ----
+
+    def _reserve_kv(self, tokens: int) -> None:
+        from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+        allocator = self.under_test.allocator
+        missing = tokens - allocator.available_size()
+        if missing > 0:
+            self.cache.evict(EvictParams(num_tokens=missing))
+            self.kv_tokens_evicted += missing
+
+    def _deepest_node(self, tokens: np.ndarray):
+        """(matched length, deepest node on the path, that node's end depth)."""
+        from sglang.srt.mem_cache.radix_cache import RadixKey
+
+        core = self.cache.tree_core
+        matched, node_id, node_end = core.match_full_device_prefix(RadixKey(array("q", tokens.tolist())))
+        return matched, core.node_by_id(node_id), node_end
+
+    def _path_checkpoints(self, prompt: np.ndarray) -> tuple[int, list[tuple[int, int]]]:
+        """The tree's KV prefix length for ``prompt`` and the (depth, slot) of every checkpoint
+        on that prefix, deepest first."""
+        matched, node, depth = self._deepest_node(prompt)
+        held = []
+        while node.parent is not None:
+            slot = node.component_data[self._mamba].value
+            if slot is not None and depth <= matched:
+                held.append((depth, int(slot)))
+            depth -= len(node.key)
+            node = node.parent
+        return matched, held
+
+    def _slot_at(self, tokens: np.ndarray, depth: int) -> Optional[int]:
+        matched, node, node_end = self._deepest_node(tokens[:depth])
+        if matched != depth or node_end != depth:
+            return None
+        slot = node.component_data[self._mamba].value
+        return None if slot is None else int(slot)
+
+
+register_policy(SemanticPolicy.name, SemanticPolicy)

@@ -1,0 +1,289 @@
+"""CheckpointPlanner on sequences of edited agent requests.
+
+Requests are ChatML token sequences built with the Qwen3 special-token ids, so the real
+AnchorDetector finds their anchors. ``PrefixStore`` below plays the tree for the planner: the
+KV prefix every earlier request left, and the checkpoints taken at planned depths (no budget,
+no eviction: the budget tests drive the planner's valuation directly).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+from sglang_hybrid.anchors.detector import AnchorDetector
+from sglang_hybrid.anchors.hints import validate_hints
+from sglang_hybrid.anchors.planner import CheckpointPlanner, Purpose, RequestContext
+from sglang_hybrid.anchors.tokenizers import QWEN3_NEWLINE_ID, QWEN3_ROLE_IDS, QWEN3_SPECIAL_IDS
+
+IM_START = QWEN3_SPECIAL_IDS["<|im_start|>"]
+IM_END = QWEN3_SPECIAL_IDS["<|im_end|>"]
+THINK, END_THINK = QWEN3_SPECIAL_IDS["<think>"], QWEN3_SPECIAL_IDS["</think>"]
+TOOL_RESPONSE, END_TOOL_RESPONSE = QWEN3_SPECIAL_IDS["<tool_response>"], QWEN3_SPECIAL_IDS["</tool_response>"]
+NL = QWEN3_NEWLINE_ID
+DETECTOR = AnchorDetector.for_family("chatml")
+MASKED = [5, 5, 5]
+
+
+def text(tag: int, length: int) -> list[int]:
+    """Content tokens unique to ``tag`` (ordinary BPE ids, far from the special ids)."""
+    return [1000 + (tag * 7919 + i * 104729) % 140000 for i in range(length)]
+
+
+def message(role: str, content: list[int]) -> list[int]:
+    if role == "tool":  # Qwen3 renders tool results as user messages wrapping <tool_response>
+        return [IM_START, QWEN3_ROLE_IDS["user"], NL, TOOL_RESPONSE, NL, *content, NL, END_TOOL_RESPONSE, IM_END, NL]
+    return [IM_START, QWEN3_ROLE_IDS[role], NL, *content, IM_END, NL]
+
+
+GENERATION_PROMPT = [IM_START, QWEN3_ROLE_IDS["assistant"], NL]
+
+
+def request(messages: list[list[int]], answer: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """(prompt, output): the output is the assistant content plus the <|im_end|> stop token."""
+    prompt = [token for m in messages for token in m] + GENERATION_PROMPT
+    return np.asarray(prompt, dtype=np.int32), np.asarray([*answer, IM_END], dtype=np.int32)
+
+
+def last_n_session(steps: int, keep: int = 2, tag: int = 0) -> list[tuple[np.ndarray, np.ndarray]]:
+    """SWE-agent-style calls: tool outputs older than the last ``keep`` are masked."""
+    system, task = message("system", text(tag + 1, 40)), message("user", text(tag + 2, 20))
+    calls = []
+    for step in range(steps):
+        history = [system, task]
+        for i in range(step):
+            observation = text(tag + 100 + i, 30) if i >= step - keep else MASKED
+            history += [message("assistant", text(tag + 50 + i, 8)), message("tool", observation)]
+        calls.append(request(history, text(tag + 50 + step, 8)))
+    return calls
+
+
+def divergence(a: np.ndarray, b: np.ndarray) -> int:
+    n = min(len(a), len(b))
+    differ = np.flatnonzero(a[:n] != b[:n])
+    return int(differ[0]) if differ.size else n
+
+
+class PrefixStore:
+    """The tree as the planner sees it: KV of every earlier prompt + output[:-1], and the
+    checkpoints taken (as the token prefixes they hold)."""
+
+    def __init__(self, planner: CheckpointPlanner, budget: int = 1 << 20):
+        self.planner = planner
+        self.budget = budget
+        self.sequences: list[np.ndarray] = []
+        self.checkpoints: dict[int, tuple[int, ...]] = {}  # slot -> tokens the state consumed
+
+    def serve(self, session: str, prompt: np.ndarray, output: np.ndarray, hint=None):
+        kept = output[:-1]
+        lcp = max((divergence(prompt, s) for s in self.sequences), default=0)
+        held = {slot: len(p) for slot, p in self.checkpoints.items()
+                if len(p) <= lcp and tuple(prompt[: len(p)].tolist()) == p}
+        usable = {slot: d for slot, d in held.items() if d <= min(lcp, len(prompt) - 1)}
+        restored_slot = max(usable, key=usable.get) if usable else None
+        restored = usable[restored_slot] if usable else 0
+        plan = self.planner.plan(RequestContext(
+            session=session, prompt_ids=prompt, output_ids=kept, anchors=DETECTOR.detect(prompt, kept),
+            tree_lcp=lcp, held_depths=sorted(held.values()), restored_depth=restored,
+            restored_slot=restored_slot, free_slots=self.budget - len(self.checkpoints), hint=hint,
+        ))
+        sequence = np.concatenate([prompt, kept])
+        for checkpoint in plan.checkpoints:
+            self._take(session, sequence, checkpoint.depth, checkpoint.purpose)
+        self._take(session, sequence, len(sequence), Purpose.CONTINUATION)
+        self.sequences.append(sequence)
+        return plan, restored
+
+    def _take(self, session, sequence, depth, purpose):
+        tokens = tuple(sequence[:depth].tolist())
+        if tokens in self.checkpoints.values():
+            return
+        slot = len(self.checkpoints)
+        self.checkpoints[slot] = tokens
+        self.planner.record_checkpoint(slot, session, depth, purpose)
+
+
+# "<tool_response>\n": template text between a tool result's anchor and its content.
+TOOL_RESULT_HEADER = 2
+
+
+def test_last_n_masking_checkpoints_the_observation_the_next_step_masks():
+    calls = last_n_session(10)
+    planner = CheckpointPlanner()
+    store = PrefixStore(planner)
+    plans, restored = [], []
+    for prompt, output in calls:
+        plan, depth = store.serve("swe", prompt, output)
+        plans.append(plan)
+        restored.append(depth)
+    for step in range(4, len(calls) - 1):
+        previous = np.concatenate([calls[step][0], calls[step][1][:-1]])
+        edit = divergence(calls[step + 1][0], previous)
+        assert edit < len(calls[step][0]), "the emulated step must edit, not append"
+        # The checkpoint sits on the anchor of the observation the next step masks.
+        assert edit - TOOL_RESULT_HEADER in plans[step].depths, (step, edit, plans[step].depths)
+        assert restored[step + 1] == edit - TOOL_RESULT_HEADER
+
+
+def test_edit_inside_a_message_is_learned_as_a_position():
+    """A memory block rewritten inside the system prompt: no anchor marks the edit point."""
+    head, memory_at = text(1, 30), 3 + 30  # the block starts after the system header + head
+    calls = []
+    history: list[list[int]] = [message("user", text(2, 10))]
+    for step in range(8):
+        system = message("system", head + text(500 + step, 12))  # the block changes every call
+        calls.append(request([system, *history], text(600 + step, 6)))
+        history += [message("assistant", text(600 + step, 6)), message("user", text(700 + step, 10))]
+    store = PrefixStore(CheckpointPlanner())
+    restored = [store.serve("letta", p, o)[1] for p, o in calls]
+    assert all(depth == memory_at for depth in restored[3:]), restored
+
+
+def reasoning_session(turns: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Qwen3 thinking template: two calls per user turn (tool call, then answer); reasoning is
+    kept for the assistant messages after the last user query only."""
+    system = message("system", text(1, 30))
+    calls, done = [], []  # done: (turn, call) of finished assistant messages
+    for turn in range(turns):
+        for call in range(2):
+            history = [system]
+            for t in range(turn + 1):
+                history.append(message("user", text(10 + t, 12)))
+                for c in range(2 if t < turn else call):
+                    reasoning = [THINK, NL, *text(100 + 10 * t + c, 15), NL, END_THINK, NL, NL] if t == turn else []
+                    history.append(message("assistant", reasoning + text(200 + 10 * t + c, 6)))
+                    if c == 0:
+                        history.append(message("tool", text(300 + 10 * t, 20)))
+            answer = [THINK, NL, *text(100 + 10 * turn + call, 15), NL, END_THINK, NL, NL, *text(200 + 10 * turn + call, 6)]
+            calls.append(request(history, answer))
+    return calls
+
+
+def test_stripped_reasoning_keeps_the_first_prompt_end_of_the_turn():
+    calls = reasoning_session(5)
+    planner = CheckpointPlanner()
+    store = PrefixStore(planner)
+    restored = []
+    for prompt, output in calls:
+        restored.append(store.serve("qwen3", prompt, output)[1])
+    # A new user turn diverges where the previous turn's first answer began: the prompt end of
+    # that turn's first call, whose prompt-tail checkpoint restores it but for one token.
+    for turn in range(2, 5):
+        first_of_previous_turn = calls[2 * (turn - 1)][0]
+        assert restored[2 * turn] == len(first_of_previous_turn) - 1
+    # The valuation agrees: within the current turn, the first call's prompt tail is worth
+    # keeping for the next turn; the second call's is not.
+    session = planner.sessions["qwen3"]
+    tails = {depth: slot for slot, depth in session.on_path.items()
+             if planner.records[slot].purpose is Purpose.PROMPT_TAIL}
+    first_tail = tails[len(calls[-2][0]) - 1]
+    second_tail = tails[len(calls[-1][0]) - 1]
+    assert planner.eviction_score(first_tail, len(calls[-2][0]) - 1) > 0.0
+    assert planner.eviction_score(second_tail, len(calls[-1][0]) - 1) == 0.0
+
+
+def test_sessions_sharing_a_system_prompt_get_a_branch_checkpoint_at_the_message_start():
+    system = message("system", text(1, 50))
+    store = PrefixStore(CheckpointPlanner())
+    first = request([system, message("user", [4242, *text(2, 10)])], text(3, 5))
+    second = request([system, message("user", [4242, *text(4, 10)])], text(5, 5))
+    third = request([system, message("user", text(6, 10))], text(7, 5))
+    store.serve("a", *first)
+    plan, _ = store.serve("b", *second)
+    # b shares one token of its user message with a; the checkpoint goes to the message
+    # start, which c (sharing none of it) can use too.
+    assert (len(system), Purpose.BRANCH) in [(c.depth, c.purpose) for c in plan.checkpoints]
+    _, restored = store.serve("c", *third)
+    assert restored == len(system)
+
+
+def test_hints():
+    calls = last_n_session(3)
+    prompt, output = calls[2]
+    planner = CheckpointPlanner()
+    store = PrefixStore(planner)
+    plan, _ = store.serve("s", prompt, output, hint=validate_hints("none", len(prompt), 8))
+    assert plan.checkpoints == ()
+    other_prompt, other_output = last_n_session(3, tag=9000)[2]
+    plan, _ = store.serve("t", other_prompt, other_output, hint=validate_hints([7, 20], len(other_prompt), 8))
+    assert {(7, Purpose.HINT), (20, Purpose.HINT)} <= {(c.depth, c.purpose) for c in plan.checkpoints}
+    third_prompt, third_output = last_n_session(3, tag=18000)[2]
+    plan, _ = store.serve("u", third_prompt, third_output, hint=validate_hints("messages", len(third_prompt), 8))
+    starts = DETECTOR.detect(third_prompt).of_kind(1).tolist()  # AnchorKind.MESSAGE_START
+    assert set(d for d in starts if 0 < d < len(third_prompt)) <= set(plan.depths)
+
+
+def test_full_pool_admits_only_checkpoints_worth_more_than_the_least_valuable_held():
+    """With no free slot, a speculative edit checkpoint must not displace the continuation
+    states of active sessions; the prompt tail is always taken."""
+    planner = CheckpointPlanner()
+    store = PrefixStore(planner, budget=4)
+    sessions = {f"s{i}": last_n_session(6, tag=1000 * i) for i in range(4)}
+    for step in range(6):
+        for name, calls in sessions.items():
+            store.serve(name, *calls[step])
+    held_values = [planner.eviction_score(slot, r.depth) for slot, r in planner.records.items()]
+    continuation_values = [planner.eviction_score(s.continuation_slot, planner.records[s.continuation_slot].depth)
+                           for s in planner.sessions.values()]
+    assert min(continuation_values) > 0.0
+    newcomer = last_n_session(2, tag=50_000)[1]
+    store.budget = len(store.checkpoints)  # the pool is full
+    plan, _ = store.serve("new", *newcomer)
+    admitted = {c.purpose for c in plan.checkpoints}
+    assert Purpose.PROMPT_TAIL in admitted
+    assert all(c.value > sorted(held_values)[0] for c in plan.checkpoints if c.purpose is Purpose.PREDICTED_EDIT)
+
+
+def test_superseded_and_bypassed_checkpoints_are_worth_nothing():
+    calls = last_n_session(8)
+    planner = CheckpointPlanner()
+    store = PrefixStore(planner)
+    for prompt, output in calls[:-1]:
+        store.serve("swe", prompt, output)
+    session = planner.sessions["swe"]
+    old_continuations = [slot for slot, record in planner.records.items()
+                         if record.purpose is Purpose.CONTINUATION and slot != session.continuation_slot]
+    assert old_continuations
+    for slot in old_continuations:
+        assert planner.eviction_score(slot, planner.records[slot].depth) == 0.0
+    current = session.continuation_slot
+    assert planner.eviction_score(current, planner.records[current].depth) > 0.0
+    # A slot the planner does not know, or knows at another depth, is evicted first.
+    assert planner.eviction_score(10_000, 5) == 0.0
+    assert planner.eviction_score(current, planner.records[current].depth + 1) == 0.0
+
+
+DETERMINISM_SCRIPT = textwrap.dedent("""
+    import json, sys
+    sys.path.insert(0, {tests!r})
+    from test_planner import CheckpointPlanner, PrefixStore, last_n_session, reasoning_session
+    planner = CheckpointPlanner()
+    store = PrefixStore(planner, budget=8)
+    streams = {{"swe-" + str(i): last_n_session(6, tag=1000 * i) for i in range(3)}}
+    streams["qwen3"] = reasoning_session(3)
+    out = []
+    for step in range(6):
+        for name, calls in streams.items():
+            if step < len(calls):
+                plan, restored = store.serve(name, *calls[step])
+                out.append([name, restored, [(c.depth, int(c.purpose), round(c.value, 9)) for c in plan.checkpoints]])
+        out.append(sorted((slot, round(planner.eviction_score(slot, r.depth), 9)) for slot, r in planner.records.items()))
+    print(json.dumps(out))
+""")
+
+
+def test_decisions_are_a_function_of_the_request_stream_only():
+    """Two processes with different string-hash seeds (as two TP ranks) plan identically."""
+    script = DETERMINISM_SCRIPT.format(tests=os.path.dirname(__file__))
+    outputs = []
+    for seed in ("1", "2"):
+        env = {**os.environ, "PYTHONHASHSEED": seed}
+        result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True)
+        outputs.append(json.loads(result.stdout))
+    assert outputs[0] == outputs[1]
+    assert any(entry[2] for entry in outputs[0] if isinstance(entry[0], str))
+
