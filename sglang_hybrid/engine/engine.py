@@ -7,8 +7,9 @@ matched, restored and evicted is decided by SGLang's pools and the real
 the scheduler's steps by ``SchedulerDriver``); the engine only runs the model and moves
 states between the model's cache objects and the pool slots the cache hands out.
 
-Per request (cached): admit (match + copy-on-write of the matched checkpoint into the
-request's live state slot) -> rebuild the model cache from that slot and the KV of the
+Per request (cached): admit (match; a ``CheckpointAdvisor``, if given, picks checkpoint depths
+from what matched; copy-on-write of the matched checkpoint into the request's live state
+slot) -> rebuild the model cache from that slot and the KV of the
 restored prefix -> prefill the rest of the prompt in segments ending at the requested
 checkpoint positions, staging the state at each into a checkpoint slot -> decode -> write
 the final state into the live slot and the new KV into the request's KV slots -> finish
@@ -20,7 +21,7 @@ from __future__ import annotations
 import time
 from array import array
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Optional, Protocol, Sequence
 
 import torch
 from transformers import DynamicCache
@@ -40,6 +41,10 @@ class EngineRequest:
     # When given, these tokens are fed as the output (teacher forcing, e.g. a recorded
     # answer) instead of the greedy ones; ``output_len`` is then ignored.
     forced_output: Optional[tuple[int, ...]] = None
+    # Conversation the request belongs to, for a ``CheckpointAdvisor`` that learns per session.
+    session: str = ""
+    # Client-hinted checkpoint positions (the trace's ``anchors``), passed to the advisor.
+    anchor_hints: Optional[tuple[int, ...]] = None
 
     @property
     def num_output_tokens(self) -> int:
@@ -54,7 +59,23 @@ class EngineResult:
     restored_tokens: int  # prompt tokens served from the cache
     computed_prompt_tokens: int  # prompt tokens run through the model
     checkpoints: list[tuple[int, int]] = field(default_factory=list)  # (depth, slot) staged
-    wall_s: float = 0.0
+    wall_s: float = 0.0  # the whole request: admission to the last output token
+    ttft_s: float = 0.0  # admission to the logits of the last prompt position
+
+
+class CheckpointAdvisor(Protocol):
+    """Chooses checkpoint depths per request from what the cache matched (e.g. the semantic
+    ``CheckpointPlanner``), and tracks the slots they land in."""
+
+    def plan(self, request: EngineRequest, req, restored_depth: int, restored_slot: Optional[int]) -> Sequence[int]:
+        """Depths to checkpoint during ``request``'s prefill; called after admission and
+        before the copy-on-write of the matched state. ``req`` is the scheduler's request."""
+
+    def checkpoint_staged(self, request: EngineRequest, depth: int, slot: int) -> None:
+        """The state after ``depth`` prompt tokens now sits in checkpoint ``slot``."""
+
+    def finished(self, request: EngineRequest, req) -> None:
+        """``request`` was inserted into the tree (with its end checkpoint)."""
 
 
 def max_abs_logit_diff(a: Sequence[EngineResult], b: Sequence[EngineResult]) -> float:
@@ -62,8 +83,8 @@ def max_abs_logit_diff(a: Sequence[EngineResult], b: Sequence[EngineResult]) -> 
 
 
 class CpuHybridEngine:
-    """Serves requests with ``model`` (a transformers Qwen3-Next or GraniteMoeHybrid) on CPU,
-    one at a time."""
+    """Serves requests with ``model`` (a transformers Qwen3-Next, GraniteMoeHybrid or
+    NemotronH) on CPU, one at a time."""
 
     def __init__(
         self,
@@ -89,9 +110,16 @@ class CpuHybridEngine:
     def cache(self):
         return self.driver.cache
 
-    def run(self, requests: Sequence[EngineRequest], *, cached: bool) -> list[EngineResult]:
-        serve = self.serve_cached if cached else self.serve_uncached
-        return [serve(request) for request in requests]
+    def run(
+        self,
+        requests: Sequence[EngineRequest],
+        *,
+        cached: bool,
+        advisor: Optional[CheckpointAdvisor] = None,
+    ) -> list[EngineResult]:
+        if not cached:
+            return [self.serve_uncached(request) for request in requests]
+        return [self.serve_cached(request, advisor) for request in requests]
 
     # ---- one request ----
 
@@ -101,6 +129,7 @@ class CpuHybridEngine:
         started = time.perf_counter()
         model_cache = DynamicCache(config=self.model.config)
         logits = self._forward(model_cache, request.prompt, start=0)
+        ttft_s = time.perf_counter() - started
         greedy, fed = self._decode(model_cache, request, logits, feed_last=False)
         return EngineResult(
             prompt_logits=logits,
@@ -109,18 +138,25 @@ class CpuHybridEngine:
             restored_tokens=0,
             computed_prompt_tokens=len(request.prompt),
             wall_s=time.perf_counter() - started,
+            ttft_s=ttft_s,
         )
 
     @torch.no_grad()
-    def serve_cached(self, request: EngineRequest) -> EngineResult:
+    def serve_cached(self, request: EngineRequest, advisor: Optional[CheckpointAdvisor] = None) -> EngineResult:
         started = time.perf_counter()
         driver, prompt = self.driver, request.prompt
         # The scheduler reserves KV for prompt + output at admission; the output ids are
         # filled in below as they are decoded, before the request is inserted.
         req = driver.new_request(prompt, [0] * request.num_output_tokens)
         match = driver.admit(req)
-        driver.run_copy_on_write(req)
         restored = match.device_prefix_len
+        requested_depths = set(request.checkpoint_positions)
+        if advisor is not None:
+            # The copy-on-write below moves the matched slot into the live one: read it first.
+            source = req.kv.mamba_cow_src_index
+            restored_slot = int(source) if source is not None and restored > 0 else None
+            requested_depths.update(advisor.plan(request, req, restored, restored_slot))
+        driver.run_copy_on_write(req)
         row = req.kv.req_pool_idx
         total = len(req.full_untruncated_fill_ids)
         kv_indices = driver.t.req_to_token_pool.req_to_token[row, :total].long()
@@ -136,7 +172,7 @@ class CpuHybridEngine:
             model_cache = DynamicCache(config=self.model.config)
 
         checkpoints = []
-        checkpoint_depths = {p for p in request.checkpoint_positions if restored < p <= len(prompt)}
+        checkpoint_depths = {p for p in requested_depths if restored < p <= len(prompt)}
         start = restored
         for end in sorted(checkpoint_depths | {len(prompt)}):
             logits = self._forward(model_cache, prompt[start:end], start=start)
@@ -145,6 +181,9 @@ class CpuHybridEngine:
                 slot = self._stage_checkpoint(req, model_cache, end)
                 if slot is not None:
                     checkpoints.append((end, slot))
+                    if advisor is not None:
+                        advisor.checkpoint_staged(request, end, slot)
+        ttft_s = time.perf_counter() - started
 
         # The end checkpoint ``finish`` takes covers prompt + output, so the last output
         # token is fed too: the live slot must hold the state after every token.
@@ -154,6 +193,8 @@ class CpuHybridEngine:
         self.bridge.store_state(model_cache, live_state.conv, live_state.temporal, live_slot)
         self.bridge.store_kv(model_cache, kv_pool, kv_indices[restored:], start=restored)
         driver.finish(req)
+        if advisor is not None:
+            advisor.finished(request, req)
         return EngineResult(
             prompt_logits=logits,
             greedy_ids=greedy,
@@ -162,6 +203,7 @@ class CpuHybridEngine:
             computed_prompt_tokens=len(prompt) - restored,
             checkpoints=checkpoints,
             wall_s=time.perf_counter() - started,
+            ttft_s=ttft_s,
         )
 
     # ---- model steps ----

@@ -2,7 +2,7 @@
 
 transformers keeps, per recurrent layer, ``conv_states[0]`` of shape ``(batch, conv_dim, K)``
 (the last K conv inputs, newest last) and ``recurrent_states[0]``: for a gated delta-net
-(Qwen3-Next) ``(batch, HV, K_head, V_head)``, for Mamba2 (GraniteMoeHybrid)
+(Qwen3-Next) ``(batch, HV, K_head, V_head)``, for Mamba2 (GraniteMoeHybrid, NemotronH)
 ``(batch, heads, head_dim, state_size)``. Per attention layer it keeps keys and values of
 shape ``(batch, kv_heads, seq, head_dim)`` after RoPE. SGLang's MambaPool keeps, per slot,
 ``conv[0][layer, slot]`` of shape ``(conv_dim, K - 1)`` and ``temporal[layer, slot]`` of
@@ -30,11 +30,12 @@ from sglang_hybrid.cache.standalone import HybridPoolSpec
 @dataclass(frozen=True)
 class HybridStateBridge:
     """For a transformers config whose ``layer_types`` name ``linear_attention`` (recurrent)
-    and ``full_attention`` layers: Qwen3-Next and GraniteMoeHybrid."""
+    and ``full_attention`` layers: Qwen3-Next, GraniteMoeHybrid and NemotronH (whose MLP/MoE
+    blocks hold no state and appear in neither list)."""
 
     config: PretrainedConfig
 
-    SUPPORTED_MODEL_TYPES = ("qwen3_next", "granitemoehybrid")
+    SUPPORTED_MODEL_TYPES = ("qwen3_next", "granitemoehybrid", "nemotron_h")
 
     def __post_init__(self):
         if self.config.model_type not in self.SUPPORTED_MODEL_TYPES:
@@ -76,6 +77,17 @@ class HybridStateBridge:
                 state_size=c.linear_key_head_dim,
                 conv_kernel=c.linear_conv_kernel_dim,
                 conv_shard_groups=[key_dim, key_dim, value_dim],
+            )
+        if c.model_type == "nemotron_h":
+            # As SGLang's NemotronHConfig.mamba2_cache_params: the Mamba width is heads x head_dim.
+            return Mamba2StateShape.create(
+                tp_world_size=1,
+                intermediate_size=c.mamba_num_heads * c.mamba_head_dim,
+                n_groups=c.n_groups,
+                num_heads=c.mamba_num_heads,
+                head_dim=c.mamba_head_dim,
+                state_size=c.ssm_state_size,
+                conv_kernel=c.conv_kernel,
             )
         return Mamba2StateShape.create(
             tp_world_size=1,

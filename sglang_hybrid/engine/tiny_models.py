@@ -12,6 +12,8 @@ import torch
 from transformers import (
     GraniteMoeHybridConfig,
     GraniteMoeHybridForCausalLM,
+    NemotronHConfig,
+    NemotronHForCausalLM,
     PretrainedConfig,
     Qwen3NextConfig,
     Qwen3NextForCausalLM,
@@ -80,6 +82,34 @@ def tiny_granite_moe_hybrid(
         max_position_embeddings=1 << 15,
     )
     return _seeded(GraniteMoeHybridForCausalLM, config, seed)
+
+
+def tiny_nemotron_h(seed: int = 0, vocab_size: int = TINY_VOCAB_SIZE) -> NemotronHForCausalLM:
+    """A 6-block NemotronH (Mamba2, MLP, attention, Mamba2, MLP, attention), fp32.
+
+    NemotronH interleaves mixer-only blocks: Mamba2 and attention blocks carry state, MLP
+    blocks carry none, so the recurrent and attention layer ids are not contiguous -- the
+    bridge must map pool layers to model layers by id. Mamba head_dim (8) and state size (16)
+    differ so a transposed state cannot pass unseen; two groups exercise grouped B/C. MLP
+    rather than MoE blocks for the reason given for Qwen3-Next (router near-ties).
+    """
+    config = NemotronHConfig(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        layers_block_type=["linear_attention", "mlp", "full_attention"] * 2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        mamba_num_heads=8,
+        mamba_head_dim=8,
+        ssm_state_size=16,
+        n_groups=2,
+        conv_kernel=4,
+        chunk_size=64,
+        max_position_embeddings=1 << 15,
+    )
+    return _seeded(NemotronHForCausalLM, config, seed)
 
 
 def _seeded(model_class, config: PretrainedConfig, seed: int):

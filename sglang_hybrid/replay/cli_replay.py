@@ -9,25 +9,35 @@ from .cost_model import DEFAULT_PROFILE, PROFILES
 from .policies import POLICIES
 from .sim import BACKENDS, run_replay
 
+# The engine backend's model names; importing engine_backend itself would load torch.
+ENGINE_MODELS = ("qwen3-next", "nemotron-h", "granite-moe-hybrid")
+ENGINE_DEFAULT_MODEL = "qwen3-next"
+
 
 def replay_main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="sglang-hybrid replay",
                                      description="Replay a canonical trace under checkpoint policies.")
     parser.add_argument("trace", nargs="?",
                         help="canonical trace (.jsonl); default: the project's seeded synthetic agent sessions")
-    parser.add_argument("--policies", default=",".join(POLICIES),
-                        help=f"comma-separated, from: {', '.join(POLICIES)}")
+    parser.add_argument("--policies",
+                        help=f"comma-separated, from: {', '.join(POLICIES)}; default: all of them "
+                             "(backend sim), semantic (backend engine)")
     budget = parser.add_mutually_exclusive_group()
     budget.add_argument("--budget-slots", type=int)
     budget.add_argument("--budget-gib", type=float)
     parser.add_argument("--backend", default="sim", choices=BACKENDS)
     parser.add_argument("--profile", default=DEFAULT_PROFILE, choices=sorted(PROFILES))
+    parser.add_argument("--model", choices=ENGINE_MODELS,
+                        help=f"tiny model served by --backend engine (default {ENGINE_DEFAULT_MODEL})")
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
-    names = [name.strip() for name in args.policies.split(",") if name.strip()]
+    policies = args.policies or ("semantic" if args.backend == "engine" else ",".join(POLICIES))
+    names = [name.strip() for name in policies.split(",") if name.strip()]
     unknown = [name for name in names if name not in POLICIES]
     if unknown:
         parser.error(f"unknown policies: {', '.join(unknown)} (known: {', '.join(POLICIES)})")
+    if args.model is not None and args.backend != "engine":
+        parser.error("--model applies to --backend engine only")
     if args.trace is None:
         from .synthetic import synthetic_agent_trace
 
@@ -35,7 +45,14 @@ def replay_main(argv: Sequence[str] | None = None) -> int:
     else:
         trace = args.trace
     results = run_replay(trace, names, budget_slots=args.budget_slots, budget_gib=args.budget_gib,
-                         backend=args.backend, profile=args.profile, out_dir=args.out)
+                         backend=args.backend, profile=args.profile, out_dir=args.out, model=args.model)
+    if args.backend == "engine":
+        from .engine_backend import summary_lines
+
+        for name, row in results["policies"].items():
+            print("\n".join(summary_lines(name, row)))
+        print(f"wrote {args.out}/results.json, engine_requests.json, report.md, ttft_engine.png")
+        return 0
     for name, row in results["policies"].items():
         print(f"{name:22s} hit {row['hit_rate']:.3f}  recomputed {row['recomputed_tokens']:>12,}  "
               f"TTFT p95 {row['ttft_s']['p95'] * 1e3:8.1f} ms")

@@ -3,7 +3,9 @@
 Backend `sim` replays against the shared token tree of policies/base.py: every policy and every
 budget in one pass over the trace (policies only differ in checkpoint bookkeeping), TTFT from
 the cost model. results.json follows DESIGN.md ("Interfaces") exactly; the hit-rate sweep over
-SWEEP_BUDGETS that the report plots goes to budget_sweep.json beside it.
+SWEEP_BUDGETS that the report plots goes to budget_sweep.json beside it. Backend `engine`
+(engine_backend.py) serves the `semantic` policy with a tiny hybrid model on CPU instead, cached
+and uncached, and adds measured times and exactness.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from .policies import POLICIES, Policy, ServeOutcome, drive, make_policy
 from .trace import Trace, load_trace
 
 SWEEP_BUDGETS = (16, 64, 256)
-BACKENDS = ("sim",)
+BACKENDS = ("sim", "engine")
 PROGRESS_MIN_REQUESTS = 200
 
 
@@ -99,8 +101,12 @@ def run_replay(
     out_dir: str | Path,
     sweep_budgets: Sequence[int] = SWEEP_BUDGETS,
     progress: bool = True,
+    model: str | None = None,
 ) -> dict[str, Any]:
-    """Replay a trace (path or Trace) and write results.json, budget_sweep.json, report.md and plots."""
+    """Replay a trace (path or Trace) and write results.json, budget_sweep.json, report.md and plots.
+
+    ``model`` names the tiny model of backend `engine` (engine_backend.MODELS).
+    """
     from .report import write_report
 
     if backend not in BACKENDS:
@@ -109,6 +115,13 @@ def run_replay(
     budget = resolve_budget(cost, budget_slots, budget_gib)
     loaded = trace if isinstance(trace, Trace) else load_trace(trace)
     trace_name = loaded.meta.get("name") or (str(trace) if not isinstance(trace, Trace) else "in-memory trace")
+    if backend == "engine":
+        from .engine_backend import DEFAULT_MODEL, engine_replay
+
+        return engine_replay(loaded, policies, budget_slots=budget, out_dir=out_dir, trace_name=trace_name,
+                             profile=cost.name, model=model or DEFAULT_MODEL, progress=progress)
+    if model is not None:
+        raise ValueError("a model is only served by backend 'engine'")
     budgets = sorted({budget, *sweep_budgets})
     stats = simulate(loaded, policies, budgets, cost, progress)
     results = {
