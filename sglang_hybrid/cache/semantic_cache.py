@@ -20,6 +20,7 @@ What differs from the stock ``UnifiedRadixCache`` (FULL + MAMBA):
 from __future__ import annotations
 
 import logging
+from array import array
 from collections import OrderedDict
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Callable, Optional
@@ -50,10 +51,6 @@ from sglang_hybrid.metrics import CheckpointMetricsCollector, record_request_res
 if TYPE_CHECKING:
     from sglang.srt.managers.schedule_batch import Req
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
-    from sglang.srt.mem_cache.unified_cache.cache_action import (
-        CacheAction,
-        ComponentAction,
-    )
     from sglang.srt.mem_cache.unified_radix_cache import UnifiedTreeNode
 
 logger = logging.getLogger(__name__)
@@ -393,6 +390,27 @@ class SemanticStateCache(UnifiedRadixCache):
             self.checkpoint_pool.free(slot)
             raise ValueError(f"checkpoint depth must be positive, got {depth}")
         self._staged.setdefault(req.rid, []).append((depth, slot.view(-1)))
+
+    def checkpoints_on_path(self, tokens) -> tuple[int, list[tuple[int, int]]]:
+        """Read-only: the KV prefix the tree holds for ``tokens``, and the (depth, slot) of
+        every checkpoint on that prefix, deepest first. Touches no recency."""
+        matched, node_id, depth = self.tree_core.match_full_device_prefix(
+            RadixKey(array("q", [int(t) for t in tokens]))
+        )
+        node = self.tree_core.node_by_id(node_id)
+        held = []
+        while node.parent is not None:
+            slot = node.component_data[MAMBA].value
+            if slot is not None and depth <= matched:
+                held.append((depth, int(slot)))
+            depth -= len(node.key)
+            node = node.parent
+        return matched, held
+
+    def checkpoint_slot_at(self, tokens) -> Optional[int]:
+        """Read-only: the slot of the checkpoint holding the state after exactly ``tokens``."""
+        _, held = self.checkpoints_on_path(tokens)
+        return held[0][1] if held and held[0][0] == len(tokens) else None
 
     def staged_slots(self) -> int:
         return sum(len(v) for v in self._staged.values())

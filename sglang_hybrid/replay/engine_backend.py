@@ -22,7 +22,6 @@ at its input (``CpuHybridEngine``), so matching works on the real ids.
 from __future__ import annotations
 
 import json
-from array import array
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
@@ -56,9 +55,6 @@ class PlannerAdvisor:
     the generation-end one, forget freed slots, and value held checkpoints for eviction."""
 
     def __init__(self, engine: CpuHybridEngine, detector: Optional[AnchorDetector] = None):
-        from sglang.srt.mem_cache.unified_cache.components.base import ComponentType
-
-        self._mamba = ComponentType.MAMBA
         self.cache = engine.cache
         self.planner = CheckpointPlanner()
         self.cache.eviction_scorer = self.planner.eviction_score
@@ -70,7 +66,8 @@ class PlannerAdvisor:
         prompt = np.asarray(request.prompt, dtype=np.int64)
         # The engine feeds every output token back, so the tree will hold prompt + output.
         output = np.asarray(request.forced_output or (), dtype=np.int64)
-        lcp, held_depths = self._path_checkpoint_depths(prompt)
+        lcp, held = self.cache.checkpoints_on_path(prompt)
+        held_depths = [depth for depth, _ in held]
         hint = validate_hints(list(request.anchor_hints), len(prompt), MAX_HINTS_PER_REQUEST) \
             if request.anchor_hints else None
         plan = self.planner.plan(RequestContext(
@@ -96,39 +93,10 @@ class PlannerAdvisor:
 
     def finished(self, request: EngineRequest, req) -> None:
         sequence = np.asarray([*request.prompt, *(request.forced_output or ())], dtype=np.int64)
-        end_slot = self._slot_at(sequence)
+        end_slot = self.cache.checkpoint_slot_at(sequence)
         if end_slot is not None:
             self.planner.record_checkpoint(end_slot, request.session, len(sequence), Purpose.CONTINUATION)
         self.planner.forget_slots(self.cache.checkpoint_pool.free_slot_ids())
-
-    # ---- reading the tree (as the `semantic` policy does) ----
-
-    def _deepest_node(self, tokens: np.ndarray):
-        """(matched length, deepest node on the path, that node's end depth)."""
-        from sglang.srt.mem_cache.radix_cache import RadixKey
-
-        core = self.cache.tree_core
-        matched, node_id, node_end = core.match_full_device_prefix(RadixKey(array("q", tokens.tolist())))
-        return matched, core.node_by_id(node_id), node_end
-
-    def _path_checkpoint_depths(self, prompt: np.ndarray) -> tuple[int, list[int]]:
-        """The tree's KV prefix length for ``prompt`` and the depths of the checkpoints on it."""
-        matched, node, depth = self._deepest_node(prompt)
-        held = []
-        while node.parent is not None:
-            if node.component_data[self._mamba].value is not None and depth <= matched:
-                held.append(depth)
-            depth -= len(node.key)
-            node = node.parent
-        return matched, held
-
-    def _slot_at(self, tokens: np.ndarray) -> Optional[int]:
-        """The checkpoint slot of the node ending exactly at ``len(tokens)``, if any."""
-        matched, node, node_end = self._deepest_node(tokens)
-        if matched != len(tokens) or node_end != len(tokens):
-            return None
-        slot = node.component_data[self._mamba].value
-        return None if slot is None else int(slot)
 
 
 @dataclass(frozen=True)

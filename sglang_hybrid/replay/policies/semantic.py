@@ -18,8 +18,7 @@ through the model, so the final state -- and SGLang's insert on finish -- stops 
 
 from __future__ import annotations
 
-from array import array
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -72,12 +71,9 @@ class SemanticPolicy(Policy):
                  spec: "HybridPoolSpec | None" = None, max_hints: int = 64):
         super().__init__(budget_slots, profile)
         # Importing SGLang takes seconds; only a replay that uses this policy pays for it.
-        from sglang.srt.mem_cache.unified_cache.components.base import ComponentType
-
         from ...cache.standalone import SchedulerDriver, build_tree_cache
         from ...config import SemanticCacheConfig
 
-        self._mamba = ComponentType.MAMBA
         # The replay's converters render with ChatML/Qwen3 templates and the Qwen3 tokenizer.
         self.detector = detector or AnchorDetector.for_family("chatml")
         self.max_hints = max_hints
@@ -107,7 +103,7 @@ class SemanticPolicy(Policy):
         restored_slot = int(source) if source is not None and restored > 0 else None
         self.driver.run_copy_on_write(req)
 
-        lcp, held = self._path_checkpoints(prompt)
+        lcp, held = self.cache.checkpoints_on_path(prompt)
         hint = validate_hints(request.anchors, len(prompt), self.max_hints) if request.anchors else None
         plan = self.planner.plan(RequestContext(
             session=request.session,
@@ -132,7 +128,7 @@ class SemanticPolicy(Policy):
         self.driver.finish(req)
 
         final_depth = len(prompt) + len(kept_output)
-        final_slot = self._slot_at(np.concatenate([prompt, kept_output]), final_depth)
+        final_slot = self.cache.checkpoint_slot_at(np.concatenate([prompt, kept_output]))
         if final_slot is not None:
             self.planner.record_checkpoint(final_slot, request.session, final_depth, Purpose.CONTINUATION)
         self.planner.forget_slots(self.cache.checkpoint_pool.free_slot_ids())
@@ -150,34 +146,6 @@ class SemanticPolicy(Policy):
         if missing > 0:
             self.cache.evict(EvictParams(num_tokens=missing))
             self.kv_tokens_evicted += missing
-
-    def _deepest_node(self, tokens: np.ndarray):
-        """(matched length, deepest node on the path, that node's end depth)."""
-        from sglang.srt.mem_cache.radix_cache import RadixKey
-
-        core = self.cache.tree_core
-        matched, node_id, node_end = core.match_full_device_prefix(RadixKey(array("q", tokens.tolist())))
-        return matched, core.node_by_id(node_id), node_end
-
-    def _path_checkpoints(self, prompt: np.ndarray) -> tuple[int, list[tuple[int, int]]]:
-        """The tree's KV prefix length for ``prompt`` and the (depth, slot) of every checkpoint
-        on that prefix, deepest first."""
-        matched, node, depth = self._deepest_node(prompt)
-        held = []
-        while node.parent is not None:
-            slot = node.component_data[self._mamba].value
-            if slot is not None and depth <= matched:
-                held.append((depth, int(slot)))
-            depth -= len(node.key)
-            node = node.parent
-        return matched, held
-
-    def _slot_at(self, tokens: np.ndarray, depth: int) -> Optional[int]:
-        matched, node, node_end = self._deepest_node(tokens[:depth])
-        if matched != depth or node_end != depth:
-            return None
-        slot = node.component_data[self._mamba].value
-        return None if slot is None else int(slot)
 
 
 register_policy(SemanticPolicy.name, SemanticPolicy)
