@@ -30,6 +30,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from sglang_hybrid.kernels import GDN_CHUNK_SIZE
+
 logger = logging.getLogger(__name__)
 
 _installed = False
@@ -173,24 +175,32 @@ def gdn_extend(
     query_start_loc: torch.Tensor,
     inplace_update: bool = True,
     **unused_kernel_options,
-) -> tuple[torch.Tensor, None, None]:
+) -> tuple[torch.Tensor, None, torch.Tensor]:
     """Drop-in for ``TritonGDNKernel.extend`` (fla ``chunk_gated_delta_rule``).
 
     Tensors are packed [1, total_tokens, ...]; each sequence starts from and writes back
-    ``ssm_states[slot]``, like the fla kernel with ``initial_state_indices``. Per-chunk
-    states (``h``) are not produced: only the ``extra_buffer`` strategy consumes them.
+    ``ssm_states[slot]``, like the fla kernel with ``initial_state_indices``. Returns the
+    output, None, and the fp32 state at the start of every 64-token chunk of every sequence
+    ``(1, NT, HV, V, K)``, as fla's ``h`` (chunks numbered per sequence).
     """
     if not inplace_update:
         raise NotImplementedError("the CPU GDN fallback does not support multi-item scoring")
     out = torch.zeros(v.shape, dtype=q.dtype, device=q.device)
+    chunk_starts = []
     for _, start, end, slot in _sequences(query_start_loc, cache_indices):
-        seq_out, final_state = gated_delta_rule(
-            q[0, start:end], k[0, start:end], v[0, start:end],
-            g[0, start:end], beta[0, start:end], ssm_states[slot],
-        )  # fmt: skip
-        out[0, start:end] = seq_out.to(out.dtype)
-        ssm_states[slot] = final_state.to(ssm_states.dtype)
-    return out, None, None
+        state = ssm_states[slot].float().clone()
+        for chunk_start in range(start, end, GDN_CHUNK_SIZE):
+            chunk_end = min(chunk_start + GDN_CHUNK_SIZE, end)
+            chunk_starts.append(state)
+            chunk_out, state = gated_delta_rule(
+                q[0, chunk_start:chunk_end], k[0, chunk_start:chunk_end], v[0, chunk_start:chunk_end],
+                g[0, chunk_start:chunk_end], beta[0, chunk_start:chunk_end], state,
+            )  # fmt: skip
+            out[0, chunk_start:chunk_end] = chunk_out.to(out.dtype)
+        ssm_states[slot] = state.to(ssm_states.dtype)
+    state_shape = ssm_states.shape[1:]
+    h = torch.stack(chunk_starts) if chunk_starts else ssm_states.new_empty((0, *state_shape), dtype=torch.float32)
+    return out, None, h.unsqueeze(0)
 
 
 def gdn_decode(

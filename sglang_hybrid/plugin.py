@@ -8,6 +8,7 @@ selects the backend with ``--radix-cache-backend semantic``.
 from __future__ import annotations
 
 import logging
+from typing import Optional
 
 from sglang.srt.mem_cache.registry import (
     TreeCacheBuildContext,
@@ -18,16 +19,23 @@ from sglang.srt.mem_cache.registry import (
 from sglang.srt.mem_cache.unified_cache.components.base import ComponentType
 from sglang.srt.runtime_context import get_exec
 
+from sglang_hybrid.anchors.detector import AnchorDetector
+from sglang_hybrid.anchors.planner import CheckpointPlanner
 from sglang_hybrid.cache.checkpoint_pool import StateCheckpointPool, StateLayout
 from sglang_hybrid.cache.semantic_cache import SemanticMambaComponent, SemanticStateCache
-from sglang_hybrid.config import SemanticCacheConfig
+from sglang_hybrid.config import AUTO_TEMPLATE_FAMILY, SemanticCacheConfig
 from sglang_hybrid.cpu_fallbacks import install_cpu_fallbacks
 from sglang_hybrid.request_hints import install_checkpoint_hint_hook
 from sglang_hybrid.metrics import install_request_info_hook
+from sglang_hybrid.runtime.anchor_capture import AnchorCapture
+from sglang_hybrid.runtime.hooks import install_anchor_capture_hooks
 
 logger = logging.getLogger(__name__)
 
 BACKEND_NAME = "semantic"
+# Models whose recurrent layers are Gated DeltaNet, the layer type whose prefill captures
+# anchor states (runtime/hooks.py); others keep only the checkpoints SGLang's caching takes.
+GDN_MODEL_TYPES = frozenset({"qwen3_next", "qwen3_5", "qwen3_5_moe"})
 
 
 def register() -> None:
@@ -38,6 +46,7 @@ def register() -> None:
         register_radix_cache_backend(BACKEND_NAME, build_semantic_state_cache)
         install_checkpoint_hint_hook()
         install_request_info_hook()
+        install_anchor_capture_hooks()
 
 
 def build_semantic_state_cache(ctx: TreeCacheBuildContext) -> SemanticStateCache:
@@ -47,9 +56,10 @@ def build_semantic_state_cache(ctx: TreeCacheBuildContext) -> SemanticStateCache
     mamba_pool = req_to_token_pool.mamba_pool
     layout = StateLayout.of_mamba_pool(mamba_pool)
     num_slots = config.checkpoint_slots(layout.bytes_per_slot)
-    req_to_token_pool.mamba_ckpt_pool = StateCheckpointPool(
+    checkpoint_pool = StateCheckpointPool(
         layout, num_slots, mamba_pool.device, host_slots=config.state_checkpoint_host_slots
     )
+    req_to_token_pool.mamba_ckpt_pool = checkpoint_pool
     logger.info(
         "semantic state cache: %d checkpoint slots of %.1f MiB (%.2f GiB), "
         "separate from the %d live-request state slots; %d host-tier slots",
@@ -63,7 +73,38 @@ def build_semantic_state_cache(ctx: TreeCacheBuildContext) -> SemanticStateCache
         **(ctx.params.component_registry_override or {}),
         ComponentType.MAMBA: SemanticMambaComponent,
     }
-    return create_unified_radix_cache(ctx, cache_class=SemanticStateCache)
+    cache = create_unified_radix_cache(ctx, cache_class=SemanticStateCache)
+    checkpoint_pool.anchor_capture = _anchor_capture(ctx, config, cache)
+    return cache
+
+
+def _anchor_capture(
+    ctx: TreeCacheBuildContext, config: SemanticCacheConfig, cache: SemanticStateCache
+) -> Optional[AnchorCapture]:
+    hf_config = getattr(ctx.model_config, "hf_config", None)
+    model_type = getattr(hf_config, "model_type", None)
+    if model_type not in GDN_MODEL_TYPES:
+        logger.info(
+            "semantic state cache: no in-prefill anchor checkpoints for model type %s "
+            "(captured for %s); checkpoints at request ends and prefill chunk ends only",
+            model_type,
+            ", ".join(sorted(GDN_MODEL_TYPES)),
+        )
+        return None
+    if config.anchor_template_family == AUTO_TEMPLATE_FAMILY:
+        detector = AnchorDetector.from_model_config(hf_config.to_dict())
+    else:
+        detector = AnchorDetector.for_family(config.anchor_template_family)
+    planner = CheckpointPlanner() if config.checkpoint_planner == "adaptive" else None
+    if config.checkpoint_eviction == "expected-saving":
+        cache.eviction_scorer = planner.eviction_score
+    logger.info(
+        "semantic state cache: %s checkpoints inside prefill (anchors: %s), %s eviction",
+        config.checkpoint_planner,
+        detector.family,
+        config.checkpoint_eviction,
+    )
+    return AnchorCapture(cache, detector, config.checkpoint_planner, planner)
 
 
 def _check_supported(ctx: TreeCacheBuildContext) -> None:

@@ -79,7 +79,16 @@ def test_gdn_extend_matches_transformers_chunked_rule_per_sequence_and_slot():
     )  # fmt: skip
 
     assert out.shape == (1, total, NUM_V_HEADS, HEAD_DIM)
-    assert last_state is None and chunk_states is None
+    assert last_state is None
+    # fla's h: the state entering each 64-token chunk, chunks numbered per sequence
+    # (70 tokens: 2 chunks, 33 tokens: 1; padding rows have none).
+    assert chunk_states.shape == (1, 3, NUM_V_HEADS, HEAD_DIM, HEAD_DIM)
+    torch.testing.assert_close(chunk_states[0, 0], before[4].float())
+    torch.testing.assert_close(chunk_states[0, 2], before[1].float())
+    _, state_after_64 = _hf_gdn(
+        q[:64], k[:64], v[:64], g[:64], beta[:64], before[4], torch_chunk_gated_delta_rule
+    )
+    torch.testing.assert_close(chunk_states[0, 1], state_after_64, atol=2e-4, rtol=1e-3)
     for (start, end), slot in zip([(0, 70), (70, 75), (75, 108)], slots):
         if slot < 0:
             assert torch.count_nonzero(out[0, start:end]) == 0

@@ -71,17 +71,36 @@ def _tokens(rng, n):
     return [rng.randrange(1, 511) for _ in range(n)]
 
 
-def _ask_both(semantic, no_cache, input_ids):
+def _ask_both(semantic, no_cache, input_ids, checkpoint_hints=None):
     """Send one turn to both servers; return (output ids, cached tokens, seconds) of semantic."""
+    extra = {}
+    if checkpoint_hints is not None:
+        extra["custom_params"] = {"checkpoint_hints": checkpoint_hints}
     started = time.monotonic()
-    answer = semantic.generate(input_ids, NEW_TOKENS_PER_TURN)
+    answer = _generate(semantic, input_ids, extra)
     seconds = time.monotonic() - started
-    reference = no_cache.generate(input_ids, NEW_TOKENS_PER_TURN)
+    reference = _generate(no_cache, input_ids, extra)
     assert answer["output_ids"] == reference["output_ids"], (
         "greedy output differs between the semantic cache and no cache"
     )
     assert reference["meta_info"]["cached_tokens"] == 0
     return answer["output_ids"], answer["meta_info"]["cached_tokens"], seconds
+
+
+def _generate(server, input_ids, sampling_extra):
+    sampling_params = {
+        "temperature": 0.0,
+        "max_new_tokens": NEW_TOKENS_PER_TURN,
+        "ignore_eos": True,
+        **sampling_extra,
+    }
+    response = requests.post(
+        f"{server.base_url}/generate",
+        json={"input_ids": input_ids, "sampling_params": sampling_params},
+        timeout=300,
+    )
+    response.raise_for_status()
+    return response.json()
 
 
 def _abort_mid_decode(server, input_ids):
@@ -119,11 +138,11 @@ def test_edited_session_matches_no_cache_and_reuses_checkpoints(servers):
     out2, cached2, _ = _ask_both(semantic, no_cache, turn2)
     assert cached2 == len(turn1) + len(out1) - 1
 
-    # The same prompt again: turn 2's own finish checkpoint lies past its prompt, so the
-    # deepest usable one is still turn 1's.
+    # The same prompt again: turn 2's own finish checkpoint lies past its prompt, but the
+    # planner had turn 2's prefill capture the state one token before its prompt end.
     out3, cached3, _ = _ask_both(semantic, no_cache, turn2)
     assert out3 == out2
-    assert cached3 == len(turn1) + len(out1) - 1
+    assert cached3 == len(turn2) - 1
 
     # An edit in the middle (position 20): nothing after the edit is reusable, and no
     # checkpoint exists before it.
@@ -145,3 +164,20 @@ def test_edited_session_matches_no_cache_and_reuses_checkpoints(servers):
     assert semantic.process.poll() is None
     assert requests.get(f"{semantic.base_url}/health_generate", timeout=60).ok
     assert "memory leak detected" not in semantic.log_tail(10**7)
+
+
+def test_one_prefill_captures_every_anchor_across_chunks(servers):
+    """A 700-token prompt prefilled in two chunks (--chunked-prefill-size 512) with anchors
+    at 40, 100 and 600: each later request that leaves the prompt just after an anchor
+    restores exactly that anchor's state, captured inside the prefill forward that crossed it
+    (600 in the second chunk), and answers exactly as a server without cache."""
+    semantic, no_cache = servers
+    rng = random.Random(1)
+    prompt = _tokens(rng, 700)
+    _, cached, _ = _ask_both(semantic, no_cache, prompt, checkpoint_hints=[40, 100, 600])
+    assert cached == 0
+
+    for anchor in (600, 100, 40):
+        edited = prompt[:anchor] + _tokens(rng, 30)
+        _, cached, _ = _ask_both(semantic, no_cache, edited)
+        assert cached == anchor, f"edit after anchor {anchor} restored {cached} tokens"

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import List, Optional, Sequence
+from typing import TYPE_CHECKING, List, Optional, Sequence
 
 import torch
 
@@ -31,6 +31,9 @@ from sglang.srt.mem_cache.allocator.mamba import MambaSlotAllocator
 from sglang_hybrid.cache.host_tier import HostCheckpointTier
 from sglang_hybrid.kernels import INTERPRET as KERNELS_INTERPRETED
 from sglang_hybrid.kernels import copy_states, copy_states_reference
+
+if TYPE_CHECKING:
+    from sglang_hybrid.runtime.anchor_capture import AnchorCapture
 
 
 @dataclass(frozen=True)
@@ -100,7 +103,9 @@ class StateCheckpointPool:
         self.allocator = MambaSlotAllocator(size=num_slots, device=self.device)
         # Where device evictions go instead of being dropped; None keeps one tier.
         self.host_tier = HostCheckpointTier(layout, host_slots, self) if host_slots else None
-
+        # What fills staged slots inside prefill forwards (runtime/anchor_capture.py); None
+        # where checkpoints are taken only where SGLang caches a request.
+        self.anchor_capture: Optional["AnchorCapture"] = None
 
     @staticmethod
     def slots_for_memory(mamba_pool, memory_bytes: int) -> int:

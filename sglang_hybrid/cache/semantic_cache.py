@@ -469,6 +469,14 @@ class SemanticStateCache(UnifiedRadixCache):
         for _, slot in self._staged.pop(req.rid, ()):
             self.checkpoint_pool.free(slot)
         super().on_release(req, checkpointed=checkpointed)
+        capture = self.checkpoint_pool.anchor_capture
+        if capture is not None:
+            session = capture.release(req)
+            if checkpointed and session is not None:
+                # The insert on finish left prompt + output[:-1] (what the final state covers).
+                capture.request_finished(
+                    session, req.full_untruncated_fill_ids[: req.kv.cache_protected_len]
+                )
         self.publish_metrics()
 
     def reset(self) -> None:

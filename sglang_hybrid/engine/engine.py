@@ -7,13 +7,15 @@ matched, restored and evicted is decided by SGLang's pools and the real
 the scheduler's steps by ``SchedulerDriver``); the engine only runs the model and moves
 states between the model's cache objects and the pool slots the cache hands out.
 
-Per request (cached): admit (match; a ``CheckpointAdvisor``, if given, picks checkpoint depths
-from what matched; copy-on-write of the matched checkpoint into the request's live state
-slot) -> rebuild the model cache from that slot and the KV of the
-restored prefix -> prefill the rest of the prompt in segments ending at the requested
-checkpoint positions, staging the state at each into a checkpoint slot -> decode -> write
-the final state into the live slot and the new KV into the request's KV slots -> finish
-(insert into the tree, snapshot the live slot as the end checkpoint).
+Per request (cached): admit (match) -> ``AnchorCapture`` stages a checkpoint slot at each
+depth the request gets (its explicit positions, or with a planner what the planner chooses
+from what matched) -> copy-on-write of the matched checkpoint into the request's live state
+slot -> rebuild the model cache from that slot and the KV of the restored prefix -> prefill
+the rest of the prompt in segments ending at the staged depths, writing the state at each
+into its slot -> decode -> write the final state into the live slot and the new KV into the
+request's KV slots -> finish (insert into the tree, snapshot the live slot as the end
+checkpoint). A server takes the same steps, with the segments' states captured inside one
+forward instead (runtime/).
 """
 
 from __future__ import annotations
@@ -21,12 +23,18 @@ from __future__ import annotations
 import time
 from array import array
 from dataclasses import dataclass, field
-from typing import Optional, Protocol, Sequence
+from typing import Optional, Sequence
 
+import numpy as np
 import torch
 from transformers import DynamicCache
 
+from sglang_hybrid.anchors.detector import AnchorDetector
+from sglang_hybrid.anchors.hints import validate_hints
+from sglang_hybrid.anchors.planner import CheckpointPlanner
 from sglang_hybrid.cache.standalone import SchedulerDriver, build_tree_cache
+from sglang_hybrid.request_hints import MAX_HINT_POSITIONS
+from sglang_hybrid.runtime.anchor_capture import AnchorCapture
 from sglang_hybrid.config import SemanticCacheConfig
 from sglang_hybrid.engine.state_bridge import HybridStateBridge
 
@@ -35,16 +43,15 @@ from sglang_hybrid.engine.state_bridge import HybridStateBridge
 class EngineRequest:
     prompt: tuple[int, ...]
     output_len: int = 0
-    # Prompt depths at which to checkpoint the recurrent state (e.g. anchor positions).
-    # Depths the restored prefix already covers, or beyond the prompt, are skipped.
+    # Prompt depths at which to checkpoint the recurrent state (a client's hint, e.g. a
+    # trace's anchors); with a planner, weighed with its own choices. Depths the restored
+    # prefix already covers are skipped.
     checkpoint_positions: tuple[int, ...] = ()
     # When given, these tokens are fed as the output (teacher forcing, e.g. a recorded
     # answer) instead of the greedy ones; ``output_len`` is then ignored.
     forced_output: Optional[tuple[int, ...]] = None
-    # Conversation the request belongs to, for a ``CheckpointAdvisor`` that learns per session.
+    # Conversation the request belongs to, for a planner that learns per session.
     session: str = ""
-    # Client-hinted checkpoint positions (the trace's ``anchors``), passed to the advisor.
-    anchor_hints: Optional[tuple[int, ...]] = None
 
     @property
     def num_output_tokens(self) -> int:
@@ -63,21 +70,6 @@ class EngineResult:
     ttft_s: float = 0.0  # admission to the logits of the last prompt position
 
 
-class CheckpointAdvisor(Protocol):
-    """Chooses checkpoint depths per request from what the cache matched (e.g. the semantic
-    ``CheckpointPlanner``), and tracks the slots they land in."""
-
-    def plan(self, request: EngineRequest, req, restored_depth: int, restored_slot: Optional[int]) -> Sequence[int]:
-        """Depths to checkpoint during ``request``'s prefill; called after admission and
-        before the copy-on-write of the matched state. ``req`` is the scheduler's request."""
-
-    def checkpoint_staged(self, request: EngineRequest, depth: int, slot: int) -> None:
-        """The state after ``depth`` prompt tokens now sits in checkpoint ``slot``."""
-
-    def finished(self, request: EngineRequest, req) -> None:
-        """``request`` was inserted into the tree (with its end checkpoint)."""
-
-
 def max_abs_logit_diff(a: Sequence[EngineResult], b: Sequence[EngineResult]) -> float:
     return max(float((x.prompt_logits - y.prompt_logits).abs().max()) for x, y in zip(a, b))
 
@@ -94,7 +86,12 @@ class CpuHybridEngine:
         kv_size: int = 1 << 16,
         max_num_reqs: int = 4,
         max_context_len: int = 1 << 15,
+        planner: Optional[CheckpointPlanner] = None,
+        detector: Optional[AnchorDetector] = None,
     ):
+        """``planner``: checkpoint depths beyond the requests' explicit positions, planned
+        (and eviction valued) by it; ``detector`` gives it the anchors (default ChatML, what
+        the replay's converters render)."""
         self.model = model
         self.vocab_size = model.config.vocab_size
         self.bridge = HybridStateBridge(model.config)
@@ -105,6 +102,14 @@ class CpuHybridEngine:
             "semantic", spec, config=SemanticCacheConfig(state_checkpoint_slots=checkpoint_slots)
         )
         self.driver = SchedulerDriver(tree)
+        if planner is not None:
+            tree.cache.eviction_scorer = planner.eviction_score
+        self.capture = AnchorCapture(
+            tree.cache,
+            detector or AnchorDetector.for_family("chatml"),
+            "adaptive" if planner is not None else "none",
+            planner,
+        )
 
     @property
     def cache(self):
@@ -115,11 +120,10 @@ class CpuHybridEngine:
         requests: Sequence[EngineRequest],
         *,
         cached: bool,
-        advisor: Optional[CheckpointAdvisor] = None,
     ) -> list[EngineResult]:
         if not cached:
             return [self.serve_uncached(request) for request in requests]
-        return [self.serve_cached(request, advisor) for request in requests]
+        return [self.serve_cached(request) for request in requests]
 
     # ---- one request ----
 
@@ -142,7 +146,7 @@ class CpuHybridEngine:
         )
 
     @torch.no_grad()
-    def serve_cached(self, request: EngineRequest, advisor: Optional[CheckpointAdvisor] = None) -> EngineResult:
+    def serve_cached(self, request: EngineRequest) -> EngineResult:
         started = time.perf_counter()
         driver, prompt = self.driver, request.prompt
         # The scheduler reserves KV for prompt + output at admission; the output ids are
@@ -150,12 +154,22 @@ class CpuHybridEngine:
         req = driver.new_request(prompt, [0] * request.num_output_tokens)
         match = driver.admit(req)
         restored = match.device_prefix_len
-        requested_depths = set(request.checkpoint_positions)
-        if advisor is not None:
-            # The copy-on-write below moves the matched slot into the live one: read it first.
-            source = req.kv.mamba_cow_src_index
-            restored_slot = int(source) if source is not None and restored > 0 else None
-            requested_depths.update(advisor.plan(request, req, restored, restored_slot))
+        # The copy-on-write below moves the matched slot into the live one: read it first.
+        source = req.kv.mamba_cow_src_index
+        hint = (
+            validate_hints(list(request.checkpoint_positions), len(prompt), MAX_HINT_POSITIONS)
+            if request.checkpoint_positions
+            else None
+        )
+        staged = self.capture.plan_request(
+            req,
+            session=request.session,
+            prompt=np.asarray(prompt, dtype=np.int64),
+            # The engine feeds every output token back, so the tree will hold prompt + output.
+            expected_output=np.asarray(request.forced_output or (), dtype=np.int64),
+            restored_slot=int(source) if source is not None and restored > 0 else None,
+            hint=hint,
+        )
         driver.run_copy_on_write(req)
         row = req.kv.req_pool_idx
         total = len(req.full_untruncated_fill_ids)
@@ -171,18 +185,15 @@ class CpuHybridEngine:
         else:
             model_cache = DynamicCache(config=self.model.config)
 
-        checkpoints = []
-        checkpoint_depths = {p for p in requested_depths if restored < p <= len(prompt)}
+        checkpoints = [(depth, int(slot)) for depth, slot in staged]
+        slot_at_depth = dict(checkpoints)
+        pool = self.cache.checkpoint_pool
         start = restored
-        for end in sorted(checkpoint_depths | {len(prompt)}):
+        for end in sorted(set(slot_at_depth) | {len(prompt)}):
             logits = self._forward(model_cache, prompt[start:end], start=start)
             start = end
-            if end in checkpoint_depths:
-                slot = self._stage_checkpoint(req, model_cache, end)
-                if slot is not None:
-                    checkpoints.append((end, slot))
-                    if advisor is not None:
-                        advisor.checkpoint_staged(request, end, slot)
+            if end in slot_at_depth:
+                self.bridge.store_state(model_cache, pool.conv, pool.temporal, slot_at_depth[end])
         ttft_s = time.perf_counter() - started
 
         # The end checkpoint ``finish`` takes covers prompt + output, so the last output
@@ -193,8 +204,7 @@ class CpuHybridEngine:
         self.bridge.store_state(model_cache, live_state.conv, live_state.temporal, live_slot)
         self.bridge.store_kv(model_cache, kv_pool, kv_indices[restored:], start=restored)
         driver.finish(req)
-        if advisor is not None:
-            advisor.finished(request, req)
+        self.capture.request_finished(request.session, [*prompt, *fed])
         return EngineResult(
             prompt_logits=logits,
             greedy_ids=greedy,
@@ -233,13 +243,3 @@ class CpuHybridEngine:
                 logits = self._forward(model_cache, [token], start=position)
                 position += 1
         return greedy, fed
-
-    def _stage_checkpoint(self, req, model_cache: DynamicCache, depth: int) -> Optional[int]:
-        """Copy the state after ``depth`` tokens into a checkpoint slot the cache owns."""
-        slot = self.cache.alloc_checkpoint_slot()
-        if slot is None:  # every slot pinned: serve without this checkpoint
-            return None
-        pool = self.cache.checkpoint_pool
-        self.bridge.store_state(model_cache, pool.conv, pool.temporal, int(slot))
-        self.cache.stage_checkpoint(req, depth, slot)
-        return int(slot)

@@ -24,14 +24,12 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 from tqdm import tqdm
 
-from ..anchors.detector import AnchorDetector
-from ..anchors.hints import validate_hints
-from ..anchors.planner import CheckpointPlanner, Purpose, RequestContext
+from ..anchors.planner import CheckpointPlanner
 from ..engine.engine import CpuHybridEngine, EngineRequest, EngineResult
 from ..engine.tiny_models import tiny_granite_moe_hybrid, tiny_nemotron_h, tiny_qwen3_next
 from .trace import Request, Trace
@@ -46,57 +44,6 @@ DEFAULT_MODEL = "qwen3-next"
 # The peer policies and bounds are token-count models of other systems, not caches this
 # engine can run; `semantic` is the one policy with a real cache behind it.
 ENGINE_POLICIES = ("semantic",)
-MAX_HINTS_PER_REQUEST = 64  # as the `semantic` policy
-
-
-class PlannerAdvisor:
-    """Drives the engine's checkpoints with the ``CheckpointPlanner``, the way the `semantic`
-    replay policy drives the same cache: plan at admission, record every staged checkpoint and
-    the generation-end one, forget freed slots, and value held checkpoints for eviction."""
-
-    def __init__(self, engine: CpuHybridEngine, detector: Optional[AnchorDetector] = None):
-        self.cache = engine.cache
-        self.planner = CheckpointPlanner()
-        self.cache.eviction_scorer = self.planner.eviction_score
-        # The converters render with ChatML/Qwen3 templates and the Qwen3 tokenizer.
-        self.detector = detector or AnchorDetector.for_family("chatml")
-        self._planned_purposes: dict[int, Purpose] = {}
-
-    def plan(self, request: EngineRequest, req, restored_depth: int, restored_slot: Optional[int]) -> list[int]:
-        prompt = np.asarray(request.prompt, dtype=np.int64)
-        # The engine feeds every output token back, so the tree will hold prompt + output.
-        output = np.asarray(request.forced_output or (), dtype=np.int64)
-        lcp, held = self.cache.checkpoints_on_path(prompt)
-        held_depths = [depth for depth, _ in held]
-        hint = validate_hints(list(request.anchor_hints), len(prompt), MAX_HINTS_PER_REQUEST) \
-            if request.anchor_hints else None
-        plan = self.planner.plan(RequestContext(
-            session=request.session,
-            prompt_ids=prompt,
-            output_ids=output,
-            anchors=self.detector.detect(prompt, output),
-            tree_lcp=lcp,
-            held_depths=held_depths,
-            restored_depth=restored_depth,
-            restored_slot=restored_slot,
-            free_slots=self.cache.checkpoint_pool.available_size(),
-            hint=hint,
-        ))
-        self._planned_purposes = {c.depth: c.purpose for c in plan.checkpoints}
-        return plan.depths
-
-    def checkpoint_staged(self, request: EngineRequest, depth: int, slot: int) -> None:
-        # A depth the planner did not choose came from the request's own checkpoint positions,
-        # which a client asks for.
-        purpose = self._planned_purposes.get(depth, Purpose.HINT)
-        self.planner.record_checkpoint(slot, request.session, depth, purpose)
-
-    def finished(self, request: EngineRequest, req) -> None:
-        sequence = np.asarray([*request.prompt, *(request.forced_output or ())], dtype=np.int64)
-        end_slot = self.cache.checkpoint_slot_at(sequence)
-        if end_slot is not None:
-            self.planner.record_checkpoint(end_slot, request.session, len(sequence), Purpose.CONTINUATION)
-        self.planner.forget_slots(self.cache.checkpoint_pool.free_slot_ids())
 
 
 @dataclass(frozen=True)
@@ -137,7 +84,7 @@ def engine_request(request: Request) -> EngineRequest:
         prompt=tuple(request.input_ids.tolist()),
         forced_output=tuple(request.output_ids.tolist()),
         session=request.session,
-        anchor_hints=tuple(request.anchors) if request.anchors else None,
+        checkpoint_positions=tuple(request.anchors or ()),
     )
 
 
@@ -157,13 +104,13 @@ def serve_trace(trace: Trace, *, budget_slots: int, model: str = DEFAULT_MODEL,
         kv_size=sum(sequence_lengths) + 1,
         max_num_reqs=2,
         max_context_len=max(sequence_lengths) + 1,
+        # The planner's budget is the cache's checkpoint pool (its free slots at each admission).
+        planner=CheckpointPlanner(),
     )
-    # The planner's budget is the cache's checkpoint pool (its free slots at each admission).
-    advisor = PlannerAdvisor(engine)
     pairs, slots_peak = [], 0
     for request in tqdm(requests, unit="req", desc=f"engine {model}", disable=not progress):
         served = engine_request(request)
-        cached = engine.serve_cached(served, advisor)
+        cached = engine.serve_cached(served)
         slots_peak = max(slots_peak, engine.cache.checkpoint_pool.used_size())
         pairs.append(ServedPair(request, cached, engine.serve_uncached(served)))
     return pairs, engine.cache.stats.taken, slots_peak

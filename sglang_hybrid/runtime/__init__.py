@@ -1,0 +1,1 @@
+"""In-server capture of checkpoints at anchor positions inside a prefill forward."""

@@ -1,0 +1,203 @@
+"""Anchor capture inside SGLang's own Gated DeltaNet extend path, on CPU.
+
+``GDNAttnBackend.forward_extend`` (SGLang's code: convolution, gating, the chunked-scan
+kernel call; the scan itself is our CPU fallback, Triton kernels run interpreted) serves a
+ragged batch of two requests, one of them continuing from a restored checkpoint, with the
+plugin's hooks applied. The states the forward captured at the requested anchors, attached
+to the tree by the real cache, must equal the states of separate prefills that stop at
+those anchors, run through the same backend.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateDType, Mamba2StateShape
+from sglang.srt.layers.attention.linear.gdn_backend import GDNAttnBackend, GDNKernelDispatcher
+from sglang.srt.layers.attention.linear.kernels.gdn_triton import TritonGDNKernel
+from sglang.srt.model_executor.forward_batch_info import ForwardMode
+from sglang.srt.plugins.hook_registry import HookRegistry
+
+from sglang_hybrid.anchors.detector import AnchorDetector
+from sglang_hybrid.anchors.hints import validate_hints
+from sglang_hybrid.anchors.planner import CheckpointPlanner
+from sglang_hybrid.cache.standalone import HybridPoolSpec, SchedulerDriver, build_tree_cache
+from sglang_hybrid.config import SemanticCacheConfig
+from sglang_hybrid.runtime.anchor_capture import AnchorCapture
+
+NUM_K_HEADS, NUM_V_HEADS, HEAD_K, HEAD_V, CONV_KERNEL = 2, 4, 16, 16, 4
+KEY_DIM, VALUE_DIM = NUM_K_HEADS * HEAD_K, NUM_V_HEADS * HEAD_V
+CONV_DIM = 2 * KEY_DIM + VALUE_DIM
+GDN_LAYER_ID = 0
+
+
+@pytest.fixture(scope="module", autouse=True)
+def hooks_applied():
+    from sglang_hybrid.plugin import register
+
+    register()
+    HookRegistry.apply_hooks()
+
+
+def _spec() -> HybridPoolSpec:
+    shape = Mamba2StateShape.create(
+        tp_world_size=1, intermediate_size=VALUE_DIM, n_groups=NUM_K_HEADS,
+        num_heads=NUM_V_HEADS, head_dim=HEAD_V, state_size=HEAD_K, conv_kernel=CONV_KERNEL,
+        conv_shard_groups=[KEY_DIM, KEY_DIM, VALUE_DIM],
+    )  # fmt: skip
+    params = Mamba2CacheParams(
+        shape=shape,
+        layers=[GDN_LAYER_ID],
+        dtype=Mamba2StateDType(conv=torch.float32, temporal=torch.float32),
+    )
+    return HybridPoolSpec(
+        cache_params=params, full_attention_layer_ids=(1,), kv_head_num=1, kv_head_dim=4,
+        kv_size=4096, max_num_reqs=6, max_context_len=1024,
+    )  # fmt: skip
+
+
+def _layer(generator: torch.Generator) -> SimpleNamespace:
+    """The attributes of SGLang's RadixLinearAttention that the GDN backend reads."""
+    return SimpleNamespace(
+        layer_id=GDN_LAYER_ID,
+        conv_weights=torch.randn(CONV_DIM, CONV_KERNEL, generator=generator) * 0.5,
+        bias=None,
+        activation="silu",
+        A_log=torch.randn(NUM_V_HEADS, generator=generator) * 0.5,
+        dt_bias=torch.randn(NUM_V_HEADS, generator=generator) * 0.5,
+        q_dim=KEY_DIM, k_dim=KEY_DIM, v_dim=VALUE_DIM,
+        num_q_heads=NUM_K_HEADS, num_k_heads=NUM_K_HEADS, num_v_heads=NUM_V_HEADS,
+        head_q_dim=HEAD_K, head_k_dim=HEAD_K, head_v_dim=HEAD_V,
+    )  # fmt: skip
+
+
+def _backend(req_to_token_pool) -> GDNAttnBackend:
+    """SGLang's GDN backend without a model runner: the state the extend path reads."""
+    backend = object.__new__(GDNAttnBackend)
+    backend.req_to_token_pool = req_to_token_pool
+    backend.mis_metadata = None
+    backend._use_strided_target_verify_qkv = False
+    dispatcher = object.__new__(GDNKernelDispatcher)
+    dispatcher.extend_kernel = TritonGDNKernel()
+    backend.kernel_dispatcher = dispatcher
+    return backend
+
+
+def _extend(backend, layer, live_slots, prefix_lens, inputs):
+    """One prefill forward of sequences ``inputs[i] = (mixed_qkv, a, b)`` entering with
+    ``prefix_lens[i]`` tokens already in ``live_slots[i]``."""
+    seq_lens = [x.shape[0] for x, _, _ in inputs]
+    query_start_loc = torch.tensor(np.concatenate([[0], np.cumsum(seq_lens)]), dtype=torch.int32)
+    backend.forward_metadata = SimpleNamespace(
+        query_start_loc=query_start_loc,
+        mamba_cache_indices=torch.tensor(live_slots, dtype=torch.int32),
+        retrieve_next_token=None, retrieve_next_sibling=None, retrieve_parent_token=None,
+        has_mamba_track_mask=False, conv_block_table=None,
+        state_checkpoint_cu_starts=None, num_state_checkpoints=0,
+        state_checkpoint_every_n_tokens=0,
+    )  # fmt: skip
+    forward_batch = SimpleNamespace(
+        forward_mode=ForwardMode.EXTEND,
+        extend_prefix_lens=torch.tensor(prefix_lens, dtype=torch.int32),
+        extend_prefix_lens_cpu=list(prefix_lens),
+        extend_seq_lens_cpu=seq_lens,
+        spec_info=None,
+    )
+    mixed_qkv = torch.cat([x for x, _, _ in inputs])
+    a = torch.cat([a for _, a, _ in inputs])
+    b = torch.cat([b for _, _, b in inputs])
+    return backend.forward_extend(
+        layer=layer, forward_batch=forward_batch, mixed_qkv=mixed_qkv, a=a, b=b
+    )
+
+
+def _token_inputs(generator, num_tokens):
+    return (
+        torch.randn(num_tokens, CONV_DIM, generator=generator),
+        torch.randn(num_tokens, NUM_V_HEADS, generator=generator),
+        torch.randn(num_tokens, NUM_V_HEADS, generator=generator),
+    )
+
+
+def _slice(inputs, begin, end):
+    return tuple(t[begin:end] for t in inputs)
+
+
+def _concat(*parts):
+    return tuple(torch.cat(ts) for ts in zip(*parts))
+
+
+def _separate_prefill_state(backend, layer, pool, inputs, depth):
+    """Conv and recurrent state after a prefill of the first ``depth`` tokens from zeros."""
+    slot = int(pool.mamba_allocator.alloc(1)[0])
+    live = pool.mamba2_layer_cache(GDN_LAYER_ID)
+    live.conv[0][slot].zero_()
+    live.temporal[slot].zero_()
+    _extend(backend, layer, [slot], [0], [_slice(inputs, 0, depth)])
+    state = live.conv[0][slot].clone(), live.temporal[slot].clone()
+    pool.mamba_allocator.free(torch.tensor([slot]))
+    return state
+
+
+def test_one_extend_captures_every_anchor_equal_to_separate_prefills():
+    generator = torch.Generator().manual_seed(0)
+    under_test = build_tree_cache("semantic", _spec(), config=SemanticCacheConfig(state_checkpoint_slots=16))
+    cache, pool = under_test.cache, under_test.req_to_token_pool
+    checkpoints = pool.mamba_ckpt_pool
+    capture = AnchorCapture(cache, AnchorDetector.for_family("none"), "adaptive", CheckpointPlanner())
+    checkpoints.anchor_capture = capture
+    driver = SchedulerDriver(under_test)
+    layer = _layer(generator)
+    backend = _backend(pool)
+
+    def admit_and_extend(requests):
+        """requests: (token ids, per-token inputs, hint positions); one forward for all."""
+        reqs = [driver.new_request(ids) for ids, _, _ in requests]
+        for req in reqs:
+            driver.admit(req)
+        restored = [None if r.kv.mamba_cow_src_index is None else int(r.kv.mamba_cow_src_index) for r in reqs]
+        for req in reqs:
+            driver.run_copy_on_write(req)
+        hints = [validate_hints(h, len(ids), 64) for ids, _, h in requests]
+        capture.prepare_forward(reqs, restored, hints)
+        _extend(
+            backend, layer,
+            [int(r.kv.mamba_pool_idx) for r in reqs],
+            [r.prefix_len for r in reqs],
+            [_slice(inputs, r.prefix_len, len(ids)) for r, (ids, inputs, _) in zip(reqs, requests)],
+        )  # fmt: skip
+        for req in reqs:
+            driver.finish(req)
+        return reqs
+
+    ids_a = list(range(1000, 1150))
+    inputs_a = _token_inputs(generator, 150)
+    # Position 1, both sides of the first chunk boundary, mid-chunk, and the last token.
+    anchors_a = [1, 63, 64, 65, 100, 150]
+    (req_a,) = admit_and_extend([(ids_a, inputs_a, anchors_a)])
+    assert req_a.prefix_len == 0
+
+    # A ragged batch: a new request, and one that leaves A after 100 tokens, restoring A's
+    # checkpoint there and capturing past it (its positions count from its own start).
+    ids_b = list(range(2000, 2090))
+    inputs_b = _token_inputs(generator, 90)
+    ids_c = ids_a[:100] + list(range(3000, 3050))
+    inputs_c = _concat(_slice(inputs_a, 0, 100), _token_inputs(generator, 50))
+    anchors_b, anchors_c = [30, 89], [120, 128, 149]
+    req_b, req_c = admit_and_extend([(ids_b, inputs_b, anchors_b), (ids_c, inputs_c, anchors_c)])
+    assert (req_b.prefix_len, req_c.prefix_len) == (0, 100)
+
+    checked = 0
+    for ids, inputs, anchors in [(ids_a, inputs_a, anchors_a), (ids_b, inputs_b, anchors_b), (ids_c, inputs_c, anchors_c)]:
+        for depth in anchors:
+            slot = cache.checkpoint_slot_at(ids[:depth])
+            assert slot is not None, f"no checkpoint at depth {depth}"
+            conv, temporal = _separate_prefill_state(backend, layer, pool, inputs, depth)
+            torch.testing.assert_close(checkpoints.conv[0][0][slot], conv, rtol=0, atol=0)
+            torch.testing.assert_close(checkpoints.temporal[0][slot], temporal, rtol=1e-5, atol=1e-6)
+            checked += 1
+    assert checked == len(anchors_a) + len(anchors_b) + len(anchors_c)
