@@ -12,13 +12,17 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Optional
 
-from sglang_hybrid.anchors.hints import HintMode, validate_hints
+from sglang_hybrid.anchors.hints import HintMode, InvalidCheckpointHint, validate_hints
 
 if TYPE_CHECKING:
     from sglang.srt.managers.tokenizer_manager import TokenizerManager
 
-# The key in a request's sampling_params.custom_params (OpenAI: extra_body.custom_params).
+# The keys in a request's sampling_params.custom_params (OpenAI: extra_body.custom_params).
 CHECKPOINT_HINT_PARAM = "checkpoint_hints"
+# The agent session a request belongs to: the planner learns where each session's edits
+# land. Without it a request joins the session whose checkpoint it restored.
+SESSION_PARAM = "checkpoint_session"
+MAX_SESSION_ID_CHARS = 256
 # Explicit positions one request may ask for; more could not be held by a pool of the
 # default size anyway, and the bound keeps validation and planning cheap.
 MAX_HINT_POSITIONS = 64
@@ -35,7 +39,17 @@ def validate_request_hint(sampling_params: Optional[dict], prompt_len: int) -> O
     with status 400 and the message).
     """
     custom_params = (sampling_params or {}).get("custom_params")
-    if not isinstance(custom_params, dict) or CHECKPOINT_HINT_PARAM not in custom_params:
+    if not isinstance(custom_params, dict):
+        return sampling_params
+    session = custom_params.get(SESSION_PARAM)
+    if session is not None and (
+        not isinstance(session, str) or not 0 < len(session) <= MAX_SESSION_ID_CHARS
+    ):
+        raise InvalidCheckpointHint(
+            f"{SESSION_PARAM} must be a string of 1 to {MAX_SESSION_ID_CHARS} characters, "
+            f"got {session!r:.80}"
+        )
+    if CHECKPOINT_HINT_PARAM not in custom_params:
         return sampling_params
     hint = validate_hints(custom_params[CHECKPOINT_HINT_PARAM], prompt_len, MAX_HINT_POSITIONS)
     canonical = hint.positions.tolist() if hint.mode is HintMode.EXPLICIT else hint.mode.value

@@ -163,7 +163,7 @@ def test_one_extend_captures_every_anchor_equal_to_separate_prefills():
         for req in reqs:
             driver.run_copy_on_write(req)
         hints = [validate_hints(h, len(ids), 64) for ids, _, h in requests]
-        capture.prepare_forward(reqs, restored, hints)
+        capture.prepare_forward(reqs, restored, hints, [None] * len(reqs))
         _extend(
             backend, layer,
             [int(r.kv.mamba_pool_idx) for r in reqs],

@@ -17,6 +17,8 @@ from sglang_hybrid.anchors.hints import InvalidCheckpointHint
 from sglang_hybrid.request_hints import (
     CHECKPOINT_HINT_PARAM,
     MAX_HINT_POSITIONS,
+    MAX_SESSION_ID_CHARS,
+    SESSION_PARAM,
     _validate_hint_at_tokenization,
     install_checkpoint_hint_hook,
     validate_request_hint,
@@ -66,6 +68,19 @@ def test_requests_without_a_hint_pass_untouched(params):
 def test_invalid_hints_are_client_errors(hint, message):
     with pytest.raises(InvalidCheckpointHint, match=message.replace("[", r"\[")):
         validate_request_hint(with_hint(hint), len(PROMPT_IDS))
+
+
+def test_a_session_id_passes_alone_or_beside_a_hint():
+    alone = {"custom_params": {SESSION_PARAM: "agent-7"}}
+    assert validate_request_hint(alone, len(PROMPT_IDS)) is alone
+    both = with_hint([10], **{SESSION_PARAM: "agent-7"})
+    assert validate_request_hint(both, len(PROMPT_IDS)) == both
+
+
+@pytest.mark.parametrize("session", ["", 7, ["a"], "x" * (MAX_SESSION_ID_CHARS + 1)])
+def test_invalid_session_ids_are_client_errors(session):
+    with pytest.raises(InvalidCheckpointHint, match=f"{SESSION_PARAM} must be a string"):
+        validate_request_hint({"custom_params": {SESSION_PARAM: session}}, len(PROMPT_IDS))
 
 
 def test_sglang_answers_an_invalid_hint_with_400_and_the_message():

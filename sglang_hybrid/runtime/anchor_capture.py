@@ -166,14 +166,18 @@ class AnchorCapture:
         reqs: Sequence["Req"],
         restored_slots: Sequence[Optional[int]],
         hints: Sequence[Optional[ValidatedHint]],
+        sessions: Sequence[Optional[str]],
     ) -> None:
         """Plan requests seen for the first time, and set the queries of the next prefill
-        forward, which computes tokens [req.prefix_len, req.prefix_len + req.extend_input_len)
-        of every request in ``reqs`` (the order of the forward's sequences)."""
+        forward, which computes tokens [req.prefix_len, req.extend_end) of every request in
+        ``reqs`` (the order of the forward's sequences). A request's session is the one its
+        client named, else the one whose checkpoint it restored, else its own."""
         seq, pos, slots = [], [], []
-        for index, (req, restored_slot, hint) in enumerate(zip(reqs, restored_slots, hints)):
+        for index, (req, restored_slot, hint, session) in enumerate(
+            zip(reqs, restored_slots, hints, sessions)
+        ):
             if req.rid not in self._uncaptured:
-                session = self.session_of_restore(restored_slot) or req.rid
+                session = session or self.session_of_restore(restored_slot) or req.rid
                 prompt = np.asarray(req.origin_input_ids, dtype=np.int64)
                 self._uncaptured[req.rid] = self.plan_request(
                     req, session=session, prompt=prompt, expected_output=np.empty(0, np.int64),

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from sglang_hybrid.anchors.hints import validate_hints
 from sglang_hybrid.kernels import conv_state_at_positions, gdn_state_at_positions
-from sglang_hybrid.request_hints import CHECKPOINT_HINT_PARAM, MAX_HINT_POSITIONS
+from sglang_hybrid.request_hints import CHECKPOINT_HINT_PARAM, MAX_HINT_POSITIONS, SESSION_PARAM
 
 if TYPE_CHECKING:
     from sglang_hybrid.runtime.anchor_capture import AnchorCapture, CaptureQueries
@@ -56,8 +56,12 @@ def _anchor_capture_of(req_to_token_pool) -> Optional["AnchorCapture"]:
     return getattr(checkpoints, "anchor_capture", None)
 
 
+def _custom_params(req) -> dict:
+    return getattr(req.sampling_params, "custom_params", None) or {}
+
+
 def _request_hint(req):
-    custom_params = getattr(req.sampling_params, "custom_params", None) or {}
+    custom_params = _custom_params(req)
     if CHECKPOINT_HINT_PARAM not in custom_params:
         return None
     # Already validated (and made canonical) where the request was tokenized.
@@ -75,7 +79,12 @@ def plan_captures_around_prepare_for_extend(original, batch, *args, **kwargs):
         for req in batch.reqs
     ]
     result = original(batch, *args, **kwargs)
-    capture.prepare_forward(batch.reqs, restored_slots, [_request_hint(req) for req in batch.reqs])
+    capture.prepare_forward(
+        batch.reqs,
+        restored_slots,
+        [_request_hint(req) for req in batch.reqs],
+        [_custom_params(req).get(SESSION_PARAM) for req in batch.reqs],
+    )
     return result
 
 
