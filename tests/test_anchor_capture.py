@@ -22,7 +22,7 @@ from sglang.srt.layers.attention.linear.kernels.gdn_triton import TritonGDNKerne
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
 from sglang.srt.plugins.hook_registry import HookRegistry
 
-from sglang_hybrid.anchors.detector import AnchorDetector
+from sglang_hybrid.anchors.detector import AnchorDetector, AnchorKind
 from sglang_hybrid.anchors.hints import validate_hints
 from sglang_hybrid.anchors.planner import CheckpointPlanner
 from sglang_hybrid.cache.standalone import HybridPoolSpec, SchedulerDriver, build_tree_cache
@@ -201,3 +201,94 @@ def test_one_extend_captures_every_anchor_equal_to_separate_prefills():
             torch.testing.assert_close(checkpoints.temporal[0][slot], temporal, rtol=1e-5, atol=1e-6)
             checked += 1
     assert checked == len(anchors_a) + len(anchors_b) + len(anchors_c)
+
+
+# ---- AnchorCapture's planning and per-forward queries, on the replay's tiny state layout ----
+
+
+def _tiny_capture(mode: str, planner=None, family: str = "chatml"):
+    from sglang_hybrid.replay.policies.semantic import tiny_state_spec
+
+    under_test = build_tree_cache(
+        "semantic", tiny_state_spec(kv_tokens=1 << 14, max_context=1 << 12),
+        config=SemanticCacheConfig(state_checkpoint_slots=8),
+    )  # fmt: skip
+    capture = AnchorCapture(under_test.cache, AnchorDetector.for_family(family), mode, planner)
+    return SchedulerDriver(under_test), capture
+
+
+def _chat_prompt() -> list[int]:
+    from sglang_hybrid.anchors import tokenizers as tok
+
+    text = tok.render_chatml(
+        [
+            {"role": "system", "content": "You are terse."},
+            {"role": "user", "content": "List the files."},
+            {"role": "assistant", "content": "Calling ls."},
+            {"role": "user", "content": "Now the sizes."},
+        ],
+        None,
+    )
+    return tok.qwen3_encode(text + "<|im_start|>assistant\n")
+
+
+def test_chunked_prefill_captures_each_depth_in_the_forward_that_crosses_it():
+    driver, capture = _tiny_capture("none")
+    req = driver.new_request(list(range(1, 101)))
+    driver.admit(req)
+    hint = validate_hints([10, 50, 60, 100], 100, 64)
+    # First chunk: tokens [0, 50).
+    req.extend_end = 50
+    capture.prepare_forward([req], [None], [hint], [None])
+    first = capture.queries_for_forward([0], [50])
+    assert first.pos.tolist() == [10, 50] and first.seq.tolist() == [0, 0]
+    # Second chunk: tokens [50, 100); positions count from the chunk's first token.
+    req.prefix_len, req.extend_end = 50, 100
+    capture.prepare_forward([req], [None], [hint], [None])
+    second = capture.queries_for_forward([50], [50])
+    assert second.pos.tolist() == [10, 50]
+    assert len({*first.slots.tolist(), *second.slots.tolist()}) == 4
+    with pytest.raises(RuntimeError, match="does not match the batch"):
+        capture.queries_for_forward([0], [50])
+    driver.abort(req)
+    capture.release(req)
+    assert capture.cache.checkpoint_pool.used_size() == 0, "an aborted request's staged slots leaked"
+
+
+def test_messages_mode_stages_every_message_start_past_the_restored_prefix():
+    driver, capture = _tiny_capture("messages")
+    prompt = _chat_prompt()
+    req = driver.new_request(prompt)
+    driver.admit(req)
+    capture.prepare_forward([req], [None], [None], [None])
+    starts = capture.detector.detect(np.asarray(prompt)).of_kind(AnchorKind.MESSAGE_START)
+    queries = capture.queries_for_forward([0], [len(prompt)])
+    # The first message starts at depth 0, the state every request starts from anyway.
+    assert queries.pos.tolist() == sorted({int(s) for s in starts if s > 0}) and len(queries) >= 4
+
+
+def test_none_mode_and_none_hint_stage_nothing():
+    driver, capture = _tiny_capture("none")
+    req = driver.new_request(_chat_prompt())
+    driver.admit(req)
+    capture.prepare_forward([req], [None], [None], [None])
+    assert capture.queries_for_forward([0], [req.extend_end]) is None
+    assert capture.cache.checkpoint_pool.used_size() == 0
+
+
+def test_a_request_joins_the_session_whose_checkpoint_it_restored():
+    driver, capture = _tiny_capture("adaptive", CheckpointPlanner())
+    prompt = _chat_prompt()
+    # The driver inserts prompt + output: the output the final state covers.
+    first = driver.new_request(prompt, [7, 8])
+    driver.admit(first)
+    capture.prepare_forward([first], [None], [None], ["agent-1"])
+    driver.finish(first)
+    capture.request_finished(capture.release(first), [*prompt, 7, 8])
+
+    follow_up = driver.new_request([*prompt, 7, 8, 9, 10, 11])
+    driver.admit(follow_up)
+    source = int(follow_up.kv.mamba_cow_src_index)
+    capture.prepare_forward([follow_up], [source], [None], [None])
+    assert capture.release(follow_up) == "agent-1"
+    assert capture.planner.records[source].session == "agent-1"
