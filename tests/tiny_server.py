@@ -17,7 +17,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
 
 import requests
 import torch
@@ -31,6 +31,25 @@ ROPE_THETA = 10000.0
 
 # Start-up on two cores takes ~35 s (most of it allocating the KV and state pools).
 STARTUP_TIMEOUT_S = 240.0
+
+# The Qwen3 chat template, read from the shared data checkout when it is there (it is never
+# copied into this repository); ``CHATML_TEMPLATE`` stands in for it otherwise.
+QWEN3_TEMPLATE_PATH = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "qwen3.jinja"
+CHATML_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+# Qwen3's added tokens that chat prompts use. As in Qwen3, these two and <|im_end|> are
+# special (left out of decoded text); the tags decode as text.
+CHAT_SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>")
+CHAT_TAG_TOKENS = (
+    "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>",
+)  # fmt: skip
+# Qwen3's end of turn, at the model's EOS id so that SGLang stops on it.
+END_OF_TURN_TOKEN = "<|im_end|>"
+UNKNOWN_TOKEN = "<unk>"
 
 
 def write_tiny_qwen3_next(model_dir: Path, seed: int = 0) -> Path:
@@ -76,6 +95,58 @@ def write_tiny_qwen3_next(model_dir: Path, seed: int = 0) -> Path:
     return model_dir
 
 
+def _character_vocabulary(size: int) -> list[str]:
+    """Tab, newline, printable ASCII, then Latin-1 letters and onwards: ``size`` characters."""
+    characters = ["\t", "\n", *map(chr, range(0x20, 0x7F))]
+    codepoint = 0xA1  # past the C1 controls, which str.splitlines() would treat as breaks
+    while len(characters) < size:
+        characters.append(chr(codepoint))
+        codepoint += 1
+    return characters
+
+
+def write_chat_tokenizer(model_dir: Path, template_path: Path = QWEN3_TEMPLATE_PATH) -> Path:
+    """Save an offline character-level tokenizer with Qwen3's chat tokens into ``model_dir``.
+
+    Every one of the ``TINY_VOCAB_SIZE`` ids decodes to text that encodes back to that id
+    alone (one character per id, no merges), so whatever a random-weight model generates
+    survives the text round trip an agent makes when it re-sends its history: the prompt it
+    sends next begins with exactly the tokens the server generated, as with a real model.
+    The unknown token, ``<|endoftext|>`` and ``<|im_start|>`` are the exceptions (special,
+    dropped from decoded text); ``<|im_end|>`` ends generation. The chat template is Qwen3's
+    (``template_path``) or, when that file is absent, plain ChatML.
+    """
+    from tokenizers import AddedToken, Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    added = [UNKNOWN_TOKEN, *CHAT_SPECIAL_TOKENS, *CHAT_TAG_TOKENS, END_OF_TURN_TOKEN]
+    characters = _character_vocabulary(TINY_VOCAB_SIZE - len(added))
+    vocab = {token: index for index, token in enumerate([*characters, *added])}
+    assert vocab[END_OF_TURN_TOKEN] == EOS_TOKEN_ID
+
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=UNKNOWN_TOKEN))
+    backend.decoder = decoders.Fuse()
+    backend.add_special_tokens(
+        [AddedToken(t, special=True, normalized=False) for t in (UNKNOWN_TOKEN, *CHAT_SPECIAL_TOKENS)]
+    )
+    backend.add_tokens([AddedToken(t, special=False, normalized=False) for t in CHAT_TAG_TOKENS])
+    backend.add_special_tokens([AddedToken(END_OF_TURN_TOKEN, special=True, normalized=False)])
+
+    template_path = Path(template_path)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        unk_token=UNKNOWN_TOKEN,
+        eos_token=END_OF_TURN_TOKEN,
+        pad_token="<|endoftext|>",
+        # Decoding must not rewrite text (" ." -> "."), or the round trip breaks.
+        clean_up_tokenization_spaces=False,
+        chat_template=template_path.read_text() if template_path.exists() else CHATML_TEMPLATE,
+    )
+    assert len(tokenizer) == TINY_VOCAB_SIZE
+    tokenizer.save_pretrained(model_dir)
+    return model_dir
+
+
 def free_local_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
@@ -100,6 +171,8 @@ CPU_LAUNCH_FLAGS = [
     # whichever server is working.
     "--sleep-on-idle",
 ]  # fmt: skip
+# For servers that take text: the model directory then needs ``write_chat_tokenizer``.
+CPU_CHAT_LAUNCH_FLAGS = [flag for flag in CPU_LAUNCH_FLAGS if flag != "--skip-tokenizer-init"]
 
 
 class SGLangServer:
@@ -111,6 +184,7 @@ class SGLangServer:
         extra_args: list[str],
         env: Optional[dict[str, str]] = None,
         log_path: Optional[Path] = None,
+        launch_flags: Sequence[str] = CPU_LAUNCH_FLAGS,
     ):
         self.port = free_local_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
@@ -120,7 +194,7 @@ class SGLangServer:
             "--model-path", str(model_dir),
             "--host", "127.0.0.1",
             "--port", str(self.port),
-            *CPU_LAUNCH_FLAGS,
+            *launch_flags,
             *extra_args,
         ]  # fmt: skip
         # The interpreter runs the Triton kernels that have no torch fallback (there is

@@ -1,0 +1,214 @@
+"""The agent examples in examples/, run against a real SGLang server with the semantic cache.
+
+One ``sglang.launch_server`` serves a tiny random-weight Qwen3-Next with an offline
+character-level tokenizer (``write_chat_tokenizer``), so the SGLang frontend can send text.
+Each example's ``main()`` runs a few calls of its scripted agent. Every call must print its
+cache line, and must have been served from at least the deepest end-of-call checkpoint its
+prompt extends: the state the server keeps when a call finishes covers that call's prompt
+and reply, so a later prompt that starts with them must restore at least that deep. The
+examples' edits are chosen so that each run has calls that reuse a prefix after an edit,
+and calls whose edit leaves no such checkpoint.
+"""
+
+import contextlib
+import io
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tiny_server import (
+    CPU_CHAT_LAUNCH_FLAGS,
+    QWEN3_TEMPLATE_PATH,
+    SGLangServer,
+    write_chat_tokenizer,
+    write_tiny_qwen3_next,
+)
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+
+import agent_observation_masking  # noqa: E402
+import agent_reasoning_stripping  # noqa: E402
+import agent_summarization  # noqa: E402
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        torch.cuda.is_available(),
+        reason="exercises the CPU-host path (TRITON_INTERPRET, torch fallbacks)",
+    ),
+]
+
+# Small on purpose: every prompt token is one character, and two CPU cores serve them.
+MAX_TOKENS = 4
+# example module -> its arguments besides --url and --max-tokens
+RUNS = {
+    # keep 1: the third call masks the first tool output; the first call's checkpoint
+    # (system, task, first thought) lies before it.
+    "masking": (agent_observation_masking, ["--turns", "3", "--keep", "1"]),
+    # Query 1 takes calls 1-2 (a tool call, the answer); query 2 starts at call 3, which
+    # drops the reasoning of calls 1-2.
+    "reasoning": (agent_reasoning_stripping, ["--turns", "4"]),
+    # max-events 6: call 4 sees 8 messages and summarizes all but the first two; call 5
+    # appends to the summary.
+    "summarization": (
+        agent_summarization,
+        ["--turns", "5", "--keep-first", "2", "--max-events", "6", "--summary-words", "12"],
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    model_dir = tmp_path_factory.mktemp("tiny_qwen3_next_chat")
+    write_tiny_qwen3_next(model_dir)
+    write_chat_tokenizer(model_dir)
+    semantic = SGLangServer(
+        model_dir,
+        ["--radix-cache-backend", "semantic", "--max-mamba-cache-size", "16"],
+        env={"SGLANG_HYBRID_CONFIG": json.dumps({"state_checkpoint_slots": 32})},
+        log_path=tmp_path_factory.mktemp("server_logs") / "semantic.log",
+        launch_flags=CPU_CHAT_LAUNCH_FLAGS,
+    )
+    try:
+        semantic.wait_ready()
+        yield semantic
+    finally:
+        semantic.stop()
+
+
+@pytest.fixture(scope="module")
+def runs(server):
+    """example name -> (its call records, what it printed)."""
+    results = {}
+    for name, (module, args) in RUNS.items():
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed):
+            records = module.main(
+                ["--url", server.base_url, "--max-tokens", str(MAX_TOKENS), *args]
+            )
+        results[name] = (records, printed.getvalue())
+    return results
+
+
+def checkpointed_depth(records, index):
+    """Tokens covered by the deepest end-of-call state an earlier call left on this prompt.
+
+    A finished call's state covers its prompt and reply but the last generated token. The
+    test tokenizer encodes text one character per id and decodes every generated id but
+    three specials back to its character, so text prefixes are token prefixes.
+    """
+    prompt = records[index].prompt
+    return max(
+        (
+            earlier.prompt_tokens + earlier.completion_tokens - 1
+            for earlier in records[:index]
+            if prompt.startswith(earlier.prompt + earlier.reply)
+        ),
+        default=0,
+    )
+
+
+@pytest.mark.parametrize("name", RUNS)
+def test_each_call_prints_its_cache_line(runs, name):
+    records, printed = runs[name]
+    lines = printed.strip().splitlines()
+    assert lines[0].split()[:6] == ["call", "prompt", "cached", "restored", "kv_hit", "recomputed"]
+    assert len(lines) == len(records) + 2
+    for record, line in zip(records, lines[1:]):
+        columns = line.split()
+        assert [int(value) for value in columns[:6]] == [
+            record.turn,
+            record.prompt_tokens,
+            record.cached_tokens,
+            record.restored_tokens,
+            record.kv_hit_tokens,
+            record.prompt_tokens - record.cached_tokens,
+        ]
+    prompt = sum(r.prompt_tokens for r in records)
+    cached = sum(r.cached_tokens for r in records)
+    assert lines[-1].startswith(f"total: {prompt} prompt tokens, {cached} cached")
+
+
+@pytest.mark.parametrize("name", RUNS)
+def test_calls_restore_the_checkpoints_their_prompts_extend(runs, name):
+    records, _ = runs[name]
+    assert [r.turn for r in records] == list(range(1, len(records) + 1))
+    for index, record in enumerate(records):
+        depth = checkpointed_depth(records, index)
+        assert record.restored_tokens == record.cached_tokens
+        assert depth <= record.cached_tokens <= record.kv_hit_tokens < record.prompt_tokens, (
+            f"call {record.turn}: checkpoint at {depth} on its prompt, {record.cached_tokens} "
+            f"cached, {record.kv_hit_tokens} in the KV tree, {record.prompt_tokens} in the prompt"
+        )
+        if depth:
+            assert record.cached_tokens > 0
+
+
+def _edits(records):
+    return [record.edit for record in records]
+
+
+def test_masking_reuses_the_unmasked_head(runs):
+    records, _ = runs["masking"]
+    assert _edits(records) == [
+        "first call",
+        "appended",
+        "edited from prompt message 3 (user)",  # the first tool output, masked
+    ]
+    assert "Old environment output" in records[2].prompt
+    # The masked call still restores the first call's checkpoint.
+    assert checkpointed_depth(records, 1) > 0 and checkpointed_depth(records, 2) > 0
+
+
+def test_reasoning_is_dropped_at_a_new_query(runs):
+    records, _ = runs["reasoning"]
+    assert _edits(records) == [
+        "first call",
+        "appended",
+        "edited from prompt message 2 (assistant)",  # query 2: reasoning of calls 1-2 dropped
+        "appended",
+    ]
+    history = [record.prompt.rsplit("<|im_start|>assistant", 1)[0] for record in records]
+    assert "<think>" in history[1] and "<think>" not in history[2]
+    depths = [checkpointed_depth(records, index) for index in range(len(records))]
+    assert depths[1] > 0 and depths[3] > 0
+    # Every checkpoint of query 1 lies past the first turn whose reasoning was dropped.
+    assert depths[2] == 0
+
+
+def test_summary_replaces_the_middle_of_the_history(runs):
+    records, _ = runs["summarization"]
+    assert _edits(records) == [
+        "first call",
+        "appended",
+        "appended",
+        "edited from prompt message 2 (assistant)",  # summary after system and task
+        "appended",
+    ]
+    assert [m["role"] for m in records[3].messages] == ["system", "user", "user"]
+    assert records[3].messages[2]["content"].startswith("Summary of earlier events:")
+    depths = [checkpointed_depth(records, index) for index in range(len(records))]
+    assert all(depths[index] > 0 for index in (1, 2, 4))
+    assert depths[3] == 0
+
+
+@pytest.mark.skipif(not QWEN3_TEMPLATE_PATH.exists(), reason="../shared/data not present")
+@pytest.mark.parametrize("name", RUNS)
+def test_prompts_are_what_the_qwen3_template_renders(runs, name):
+    from sglang_hybrid.anchors.tokenizers import render_chat
+
+    records, _ = runs[name]
+    generation_prefix = "<think>\n" if name == "reasoning" else ""
+    for record in records:
+        expected = render_chat(record.messages, template_path=QWEN3_TEMPLATE_PATH)
+        assert record.prompt == expected + generation_prefix
+
+
+def test_server_served_every_call_without_errors(server, runs):
+    assert server.process.poll() is None
+    log = server.log_tail(10**7)
+    assert "Traceback" not in log
+    assert "memory leak detected" not in log
