@@ -284,7 +284,7 @@ def test_a_request_joins_the_session_whose_checkpoint_it_restored():
     driver.admit(first)
     capture.prepare_forward([first], [None], [None], ["agent-1"])
     driver.finish(first)
-    capture.request_finished(capture.release(first), [*prompt, 7, 8])
+    capture.request_finished(capture.release(first), [*prompt, 7, 8], len(prompt))
 
     follow_up = driver.new_request([*prompt, 7, 8, 9, 10, 11])
     driver.admit(follow_up)

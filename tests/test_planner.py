@@ -87,13 +87,14 @@ class PrefixStore:
         restored_slot = max(usable, key=usable.get) if usable else None
         restored = usable[restored_slot] if usable else 0
         plan = self.planner.plan(RequestContext(
-            session=session, prompt_ids=prompt, output_ids=kept, anchors=DETECTOR.detect(prompt, kept),
+            session=session, prompt_ids=prompt, anchors=DETECTOR.detect(prompt),
             tree_lcp=lcp, held_depths=sorted(held.values()), restored_depth=restored,
             restored_slot=restored_slot, free_slots=self.budget - len(self.checkpoints), hint=hint,
         ))
         sequence = np.concatenate([prompt, kept])
         for checkpoint in plan.checkpoints:
             self._take(session, sequence, checkpoint.depth, checkpoint.purpose)
+        self.planner.request_finished(session, sequence, DETECTOR.detect(prompt, kept))
         self._take(session, sequence, len(sequence), Purpose.CONTINUATION)
         self.sequences.append(sequence)
         return plan, restored
@@ -186,19 +187,77 @@ def test_stripped_reasoning_keeps_the_first_prompt_end_of_the_turn():
     assert planner.eviction_score(second_tail, len(calls[-1][0]) - 1) == 0.0
 
 
-def test_sessions_sharing_a_system_prompt_get_a_branch_checkpoint_at_the_message_start():
+def test_sessions_sharing_a_system_prompt_restore_at_the_message_start():
     system = message("system", text(1, 50))
     store = PrefixStore(CheckpointPlanner())
     first = request([system, message("user", [4242, *text(2, 10)])], text(3, 5))
     second = request([system, message("user", [4242, *text(4, 10)])], text(5, 5))
     third = request([system, message("user", text(6, 10))], text(7, 5))
-    store.serve("a", *first)
-    plan, _ = store.serve("b", *second)
-    # b shares one token of its user message with a; the checkpoint goes to the message
-    # start, which c (sharing none of it) can use too.
-    assert (len(system), Purpose.BRANCH) in [(c.depth, c.purpose) for c in plan.checkpoints]
+    plan, _ = store.serve("a", *first)
+    # a computes its user message first: its start is a shared-path checkpoint, for sessions
+    # that follow a's path and leave it inside that message.
+    assert (len(system), Purpose.SHARED_PATH) in [(c.depth, c.purpose) for c in plan.checkpoints]
+    plan, restored = store.serve("b", *second)
+    assert restored == len(system)
+    # b shares one token of its user message with a: it branches there, past the message start.
+    assert (len(system) + 4, Purpose.BRANCH) in [(c.depth, c.purpose) for c in plan.checkpoints]
     _, restored = store.serve("c", *third)
     assert restored == len(system)
+
+
+def window_masking_session(steps: int, window: int = 5) -> list[tuple[np.ndarray, np.ndarray]]:
+    """OpenHands-style masking: tool results outside the last ``window`` messages are masked,
+    and assistant turns are sometimes followed by a user message instead of a tool result, so
+    the n-th tool result from the end is not where the next mask lands; the n-th message is."""
+    system, task = message("system", text(1, 40)), message("user", text(2, 20))
+    follow_ups = [message("tool", text(100 + i, 30)) if i % 3 else message("user", text(100 + i, 6))
+                  for i in range(steps)]
+    calls = []
+    for step in range(steps):
+        history = [system, task]
+        for i in range(step):
+            history += [message("assistant", text(50 + i, 8)), follow_ups[i]]
+        cutoff = len(history) - window
+        history = [MASKED_TOOL if i < cutoff and h[3] == TOOL_RESPONSE else h for i, h in enumerate(history)]
+        calls.append(request(history, text(50 + step, 8)))
+    return calls
+
+
+MASKED_TOOL = message("tool", MASKED)
+
+
+def test_window_masking_is_predicted_by_message_count():
+    """The edit lands on the message a fixed count from the end, whatever the roles before it:
+    once learned, every masking step restores at the start of the message it masks."""
+    calls = window_masking_session(16)
+    store = PrefixStore(CheckpointPlanner())
+    restored = [store.serve("oh", prompt, output)[1] for prompt, output in calls]
+    misses = 0
+    for step in range(8, len(calls)):
+        previous = np.concatenate([calls[step - 1][0], calls[step - 1][1][:-1]])
+        edit = divergence(calls[step][0], previous)
+        if edit < len(calls[step - 1][0]):  # a masking step, not a re-rendered answer
+            misses += restored[step] != edit - TOOL_RESULT_HEADER
+    assert misses == 0, restored
+
+
+def test_a_session_following_another_restores_at_the_message_it_leaves_in():
+    """Two trials of one task: the second repeats the first's conversation until its third
+    answer differs. Its request restores the first's shared-path checkpoint at the start of
+    that answer, not the system prompt."""
+    system, task = message("system", text(1, 40)), message("user", text(2, 20))
+    shared = [message("assistant", text(10, 8)), message("tool", text(11, 30)),
+              message("assistant", text(12, 8)), message("tool", text(13, 30))]
+    leader = request([system, task, *shared, message("assistant", text(14, 8)), message("tool", text(15, 30))],
+                     text(16, 8))
+    follower = request([system, task, *shared, message("assistant", text(24, 8)), message("tool", text(25, 30))],
+                       text(26, 8))
+    store = PrefixStore(CheckpointPlanner())
+    store.serve("trial-0", *leader)
+    plan, restored = store.serve("trial-1", *follower)
+    branch_message = sum(len(m) for m in [system, task, *shared])
+    assert restored == branch_message
+    assert all(c.depth > branch_message for c in plan.checkpoints)
 
 
 def test_hints():

@@ -1,9 +1,9 @@
 """The `semantic` replay policy: the planner's checkpoints served through the real cache.
 
 The hand-built trace's reuse follows from the rules: an append-only turn restores the previous
-request's final state (prompt + output[:-1]); a second session sharing the system prompt
-leaves a branch checkpoint at its user-message start, which a third session restores; an
-identical repeat restores the prompt tail (len(prompt) - 1).
+request's final state (prompt + output[:-1]); the first session's user-message start is a
+shared-path checkpoint, which later sessions sharing the system prompt restore; an identical
+repeat restores the prompt tail (len(prompt) - 1).
 """
 
 from __future__ import annotations
@@ -53,8 +53,8 @@ def test_hand_built_trace_restores_what_the_rules_say():
     expected_restored = [
         0,
         len(first.input_ids) + len(first.output_ids) - 1,  # final state: prompt + output[:-1]
-        0,  # shares only the system prompt, where nothing is checkpointed yet
-        len(SYSTEM),  # the branch checkpoint the second session left at its message start
+        len(SYSTEM),  # the shared-path checkpoint the first session left at its message start
+        len(SYSTEM),
         len(retry.input_ids) - 1,  # the prompt tail
     ]
     assert [o.restored_depth for o in outcomes] == expected_restored
@@ -63,7 +63,7 @@ def test_hand_built_trace_restores_what_the_rules_say():
     ]
     # It went through the real cache: its counters saw the same restores.
     stats = policy.cache.stats
-    assert stats.restored == 3
+    assert stats.restored == 4
     assert stats.tokens_restored == sum(expected_restored)
     assert stats.taken == sum(o.checkpoints_taken for o in outcomes) > 0
     assert policy.cache.eviction_scorer == policy.planner.eviction_score

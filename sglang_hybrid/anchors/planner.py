@@ -11,15 +11,20 @@ kinds of points are reached again:
   reasoning, a rewritten memory block). Edits follow a rule of the agent framework, so the
   planner learns the rule online: each past edit point (first divergence vs the session's
   previous request) is described in several coordinate systems -- absolute position, n-th
-  anchor from the start, n-th anchor of a kind from the end, n-th anchor of a kind after the
-  last user message -- and every description is scored by how well it would have predicted the
-  edits that followed. The best descriptions, evaluated on the current request, give the depths
-  the next edit needs;
+  anchor from the start, n-th anchor of a kind (or n-th message of any role) from the end, n-th
+  anchor of a kind after the last user message -- and every description is scored by how well
+  it would have predicted the edits that followed. A session's own scores are blended with the
+  stream's (weighted as PRIOR_EDITS edits), so a session that has shown one rule still expects
+  the others the stream shows. The best descriptions, evaluated on the current request, give
+  the depths the next edit needs;
 * branch points, where a request leaves a path other requests share (a system prompt common to
-  all sessions): a checkpoint at the shared anchor there serves every later session.
+  all sessions): a checkpoint at the shared anchor there serves every later session;
+* shared paths: the message starts of content a request computes first, for other sessions
+  that follow it (trials of one task, forked conversations) and leave it in some message.
 
 Budget: one value function, *expected recomputed tokens saved* = P(the next request that can
-use it does) x (depth - the session's shared base), ranks candidates for admission and held
+use it does) x (depth - the session's shared base) -- for checkpoints that serve other sessions,
+their use rate x what they save over the shared checkpoint before them -- ranks candidates for admission and held
 checkpoints for eviction (installed as the cache's ``eviction_scorer``), so a flood of
 message-start checkpoints never pushes out the continuation states the next turns need.
 
@@ -41,6 +46,11 @@ from sglang_hybrid.anchors.detector import AnchorKind, Anchors, Role
 from sglang_hybrid.anchors.hints import HintMode, ValidatedHint
 
 
+# How many of a session's own requests the stream-wide statistics (edit rate, edit rule) weigh
+# as, before the session has shown its own.
+PRIOR_EDITS = 2
+
+
 class Purpose(IntEnum):
     """Why a checkpoint was taken; it decides how its value is estimated."""
 
@@ -49,15 +59,20 @@ class Purpose(IntEnum):
     PREDICTED_EDIT = 2  # where the session's next edit is predicted
     BRANCH = 3  # where requests leave a path shared with other requests
     HINT = 4  # a client-requested position
+    SHARED_PATH = 5  # a message start of new content other sessions may follow and leave later
+
+
+# Checkpoints taken for other sessions' requests rather than the owner's next one.
+_SHARED = (Purpose.BRANCH, Purpose.SHARED_PATH)
 
 
 @dataclass(frozen=True)
 class RequestContext:
     """What the planner needs to know about one request at admission.
 
-    ``anchors`` come from ``AnchorDetector.detect(prompt_ids, output_ids)``; ``output_ids`` are
-    the tokens the request is expected to leave in the tree (in replay, known; in a server,
-    those of the previous turn are what matters and the current ones may be empty).
+    ``anchors`` come from ``AnchorDetector.detect(prompt_ids)``. The request's output does
+    not exist yet when it is planned (a server plans its prefill); what it leaves in the tree
+    is told to the planner with ``request_finished``.
     ``tree_lcp`` is how many prompt tokens the tree's KV already holds; ``held_depths`` the
     depths of checkpoints on that path; ``restored_depth``/``restored_slot`` what the cache's
     match restored (0/None for none); ``free_slots`` how many checkpoint slots are unused.
@@ -65,7 +80,6 @@ class RequestContext:
 
     session: str
     prompt_ids: np.ndarray
-    output_ids: np.ndarray
     anchors: Anchors
     tree_lcp: int
     held_depths: Sequence[int]
@@ -103,6 +117,9 @@ ABSOLUTE = 0  # (ABSOLUTE, position)
 FROM_START = 1  # (FROM_START, index among distinct anchor positions)
 FROM_END = 2  # (FROM_END, kind, role, n): the n-th anchor of (kind, role), counting from the end
 AFTER_LAST_USER = 3  # (AFTER_LAST_USER, kind, role, n): relative to the last user message start
+# The role of a message-start address that counts messages of every role: a window of the last
+# N events (observation masking, a sliding window) moves by messages, whatever their roles.
+ANY_ROLE = -1
 
 Address = tuple[int, ...]
 
@@ -117,6 +134,7 @@ class _AnchorIndex:
         for kind, role in sorted(set(zip(anchors.kinds.tolist(), anchors.roles.tolist()))):
             mask = (anchors.kinds == kind) & (anchors.roles == role)
             self.by_key[(kind, role)] = anchors.positions[mask]
+        self.by_key[(int(AnchorKind.MESSAGE_START), ANY_ROLE)] = anchors.of_kind(AnchorKind.MESSAGE_START)
         users = self.by_key.get((int(AnchorKind.MESSAGE_START), int(Role.USER)))
         self.last_user = int(users[-1]) if users is not None and users.size else None
         self._anchors = anchors
@@ -136,7 +154,10 @@ class _AnchorIndex:
         anchor = int(self.unique[index])
         addresses.append((FROM_START, index))
         at = self._anchors.positions == anchor
-        for kind, role in sorted(set(zip(self._anchors.kinds[at].tolist(), self._anchors.roles[at].tolist()))):
+        keys = sorted(set(zip(self._anchors.kinds[at].tolist(), self._anchors.roles[at].tolist())))
+        if any(kind == AnchorKind.MESSAGE_START for kind, _ in keys):
+            keys.append((int(AnchorKind.MESSAGE_START), ANY_ROLE))
+        for kind, role in keys:
             positions = self.by_key[(kind, role)]
             rank = int(positions.size - np.searchsorted(positions, anchor, side="left"))
             addresses.append((FROM_END, kind, role, rank))
@@ -205,15 +226,27 @@ class _EditModel:
             for i in weakest:
                 del self.shares[veterans[i]]
 
-    def predict(self, index: _AnchorIndex, limit: int) -> dict[int, float]:
+    def predict(
+        self, index: _AnchorIndex, limit: int, prior: Optional["_EditModel"] = None, prior_weight: float = 0.0
+    ) -> dict[int, float]:
         """Depth -> probability that the next edit restores from a checkpoint there, for the
-        ``limit`` most likely depths, evaluated on ``index``."""
+        ``limit`` most likely depths, evaluated on ``index``.
+
+        With a ``prior`` the shares are ``prior_weight`` parts the prior's to one part this
+        model's: a session that has shown one edit rule may still follow another the stream
+        shows (a rewritten answer on every call as well as a moved block on user turns).
+        """
         predictions: dict[int, float] = {}
-        for address, share in self.shares.items():
-            depth = index.position_of(address)
-            if depth is None or depth <= 0 or share <= 0.0:
-                continue
-            predictions[depth] = predictions.get(depth, 0.0) + share
+        mine = 1.0 / (1.0 + prior_weight) if prior is not None else 1.0
+        sources = [(self.shares, mine)]
+        if prior is not None:
+            sources.append((prior.shares, 1.0 - mine))
+        for shares, weight in sources:
+            for address, share in shares.items():
+                depth = index.position_of(address)
+                if depth is None or depth <= 0 or share <= 0.0:
+                    continue
+                predictions[depth] = predictions.get(depth, 0.0) + weight * share
         ranked = sorted(predictions.items(), key=lambda item: (-item[1], item[0]))[:limit]
         return {depth: min(probability, 1.0) for depth, probability in ranked}
 
@@ -225,6 +258,9 @@ class _Record:
     purpose: Purpose
     created: int
     uses: int = 0
+    # SHARED_PATH: tokens a request leaving the path in this message restores over the
+    # message start before it.
+    span: int = 0
 
 
 @dataclass
@@ -243,6 +279,8 @@ class _Session:
     # Depth -> P(the next request's edit restores from a checkpoint at that depth).
     predictions: dict[int, float] = field(default_factory=dict)
     model: Optional[_EditModel] = None
+    # Depth -> span of the SHARED_PATH checkpoints of the latest plan, until recorded.
+    planned_spans: dict[int, int] = field(default_factory=dict)
 
 
 class CheckpointPlanner:
@@ -259,7 +297,7 @@ class CheckpointPlanner:
     def __init__(
         self,
         *,
-        predictions_per_request: int = 3,
+        predictions_per_request: int = 6,
         model_capacity: int = 16,
         learning_rate: float = 0.3,
     ):
@@ -274,6 +312,10 @@ class CheckpointPlanner:
         self.transitions = 0
         self.edits = 0
         self.gap_total = 0
+        # SHARED_PATH checkpoints recorded, and restores from them by other sessions: how often
+        # the stream's sessions follow each other's new content.
+        self.shared_taken = 0
+        self.shared_uses = 0
 
     # ---- planning ----
 
@@ -288,19 +330,27 @@ class CheckpointPlanner:
         else:
             own_prefix = self._learn_transition(session, ctx.prompt_ids)
         if ctx.restored_slot is not None and ctx.restored_slot in self.records:
-            self.records[ctx.restored_slot].uses += 1
+            restored = self.records[ctx.restored_slot]
+            restored.uses += 1
+            if restored.purpose is Purpose.SHARED_PATH and restored.session != ctx.session:
+                self.shared_uses += 1
         # The previous continuation state was just consumed (or bypassed by an edit); the one
         # this request leaves replaces it once recorded.
         session.continuation_slot = None
 
-        sequence = np.concatenate([ctx.prompt_ids, ctx.output_ids]) if ctx.output_ids.size else ctx.prompt_ids
-        index = _AnchorIndex(ctx.anchors, int(sequence.shape[0]))
-        model = session.model if session.model is not None and session.edits else self.global_model
+        index = _AnchorIndex(ctx.anchors, prompt_len)
+        if session.model is not None:
+            # The session's own edits count as many times as it has shown; the stream's rule
+            # weighs as PRIOR_EDITS of them.
+            predicted = session.model.predict(index, self.predictions_per_request, self.global_model,
+                                              PRIOR_EDITS / session.edits)
+        else:
+            predicted = self.global_model.predict(index, self.predictions_per_request)
         session.predictions = {
-            depth: probability * self._edit_probability(session)
-            for depth, probability in model.predict(index, self.predictions_per_request).items()
+            depth: probability * self._edit_probability(session) for depth, probability in predicted.items()
         }
-        session.sequence, session.index = sequence, index
+        # Until the request finishes, its prompt is what the session's next request follows.
+        session.sequence, session.index = ctx.prompt_ids, index
         session.last_clock = self.clock
 
         candidates = self._candidates(ctx, session, prompt_len, own_prefix)
@@ -356,9 +406,19 @@ class CheckpointPlanner:
             # prompt-tail and generation-end states.
             if depth < prompt_len - 1:
                 propose(depth, Purpose.PREDICTED_EDIT)
+        session.planned_spans = {}
         branch = self._branch_depth(ctx, prompt_len, own_prefix)
-        if branch is not None:
+        if branch is not None and branch not in candidates:
             propose(branch, Purpose.BRANCH)
+            session.planned_spans[branch] = branch - max([lowest, *(d for d in held if d < branch)])
+        # Content this request computes first may be followed by other sessions (trials of one
+        # task, forks of a conversation) that leave it somewhere later: a checkpoint at each
+        # new message start bounds what such a request recomputes to the message it leaves in.
+        starts = ctx.anchors.of_kind(AnchorKind.MESSAGE_START).tolist()
+        for previous, depth in zip(starts, starts[1:]):
+            if depth > max(lowest, ctx.tree_lcp) and depth < prompt_len - 1 and depth not in candidates:
+                propose(depth, Purpose.SHARED_PATH)
+                session.planned_spans[depth] = depth - max(previous, lowest)
         return sorted(candidates.items())
 
     @staticmethod
@@ -380,7 +440,8 @@ class CheckpointPlanner:
     def _admit(self, candidates: list[tuple[int, Purpose]], ctx: RequestContext) -> tuple[PlannedCheckpoint, ...]:
         session = self.sessions[ctx.session]
         valued = [
-            PlannedCheckpoint(depth, purpose, self._value(session, depth, purpose, None, self.clock, 0))
+            PlannedCheckpoint(depth, purpose, self._value(session, depth, purpose, None, self.clock, 0,
+                                                          session.planned_spans.get(depth, 0)))
             for depth, purpose in candidates
         ]
         free = ctx.free_slots
@@ -406,6 +467,14 @@ class CheckpointPlanner:
 
     # ---- bookkeeping after a request ----
 
+    def request_finished(self, session: str, sequence: np.ndarray, anchors: Anchors) -> None:
+        """``session``'s request left ``sequence`` in the tree (prompt + the output its state
+        covers; ``anchors`` detected on it): the session's next request is compared with it."""
+        owner = self.sessions.get(session)
+        if owner is None:
+            raise KeyError(f"session {session!r} was never planned")
+        owner.sequence, owner.index = sequence, _AnchorIndex(anchors, int(sequence.shape[0]))
+
     def record_checkpoint(self, slot: int, session: str, depth: int, purpose: Purpose) -> None:
         """``slot`` now holds ``session``'s checkpoint at ``depth`` (taken for ``purpose``)."""
         owner = self.sessions.get(session)
@@ -414,7 +483,10 @@ class CheckpointPlanner:
         previous = self.records.get(slot)
         if previous is not None:
             self.sessions[previous.session].on_path.pop(slot, None)
-        self.records[slot] = _Record(session, depth, purpose, self.clock)
+        span = owner.planned_spans.get(depth, depth) if purpose in _SHARED else 0
+        self.records[slot] = _Record(session, depth, purpose, self.clock, span=span)
+        if purpose is Purpose.SHARED_PATH:
+            self.shared_taken += 1
         owner.on_path[slot] = depth
         if purpose is Purpose.CONTINUATION:
             owner.continuation_slot = slot
@@ -441,19 +513,23 @@ class CheckpointPlanner:
 
     def _record_value(self, slot: int, record: _Record) -> float:
         session = self.sessions[record.session]
-        return self._value(session, record.depth, record.purpose, slot, record.created, record.uses)
+        return self._value(session, record.depth, record.purpose, slot, record.created, record.uses, record.span)
 
     def _value(
-        self, session: _Session, depth: int, purpose: Purpose, slot: Optional[int], created: int, uses: int
+        self, session: _Session, depth: int, purpose: Purpose, slot: Optional[int], created: int, uses: int,
+        span: int,
     ) -> float:
         """Expected recomputed tokens saved by a checkpoint of ``session`` at ``depth``: held in
         ``slot``, or a candidate when ``slot`` is None."""
         gap = self._mean_gap(session)
-        if purpose is Purpose.BRANCH:
-            # Shared by sessions to come: worth its depth per use, at the rate it has been
-            # used since it was taken (counting its taking as one use).
-            rate = (uses + 1) / (self.clock - created + gap)
-            return depth * min(1.0, rate * gap)
+        if purpose in _SHARED:
+            # Serves other sessions: worth its span (what a restore from it saves over the
+            # shared checkpoint before it) per use, at the rate it has been used since it was
+            # taken. A branch point has been passed by two sessions already: its taking counts
+            # as one use; a shared-path message start, as the fraction of those that are used.
+            prior = 1.0 if purpose is Purpose.BRANCH else (self.shared_uses + 1) / (self.shared_taken + 2)
+            rate = (uses + prior) / (self.clock - created + gap)
+            return span * min(1.0, rate * gap)
         if slot is not None and slot not in session.on_path:
             return 0.0
         edit = self._edit_probability(session)
@@ -484,7 +560,7 @@ class CheckpointPlanner:
     def _edit_probability(self, session: _Session) -> float:
         """P(the session's next request edits its history), the stream's rate as a prior."""
         prior = (self.edits + 1) / (self.transitions + 2)
-        return (session.edits + 2 * prior) / (session.transitions + 2)
+        return (session.edits + PRIOR_EDITS * prior) / (session.transitions + PRIOR_EDITS)
 
     def _mean_gap(self, session: _Session) -> float:
         prior = (self.gap_total + 1) / (self.transitions + 1)

@@ -475,7 +475,9 @@ class SemanticStateCache(UnifiedRadixCache):
             if checkpointed and session is not None:
                 # The insert on finish left prompt + output[:-1] (what the final state covers).
                 capture.request_finished(
-                    session, req.full_untruncated_fill_ids[: req.kv.cache_protected_len]
+                    session,
+                    req.full_untruncated_fill_ids[: req.kv.cache_protected_len],
+                    len(req.origin_input_ids),
                 )
         self.publish_metrics()
 

@@ -165,8 +165,6 @@ class CpuHybridEngine:
             req,
             session=request.session,
             prompt=np.asarray(prompt, dtype=np.int64),
-            # The engine feeds every output token back, so the tree will hold prompt + output.
-            expected_output=np.asarray(request.forced_output or (), dtype=np.int64),
             restored_slot=int(source) if source is not None and restored > 0 else None,
             hint=hint,
         )
@@ -204,7 +202,8 @@ class CpuHybridEngine:
         self.bridge.store_state(model_cache, live_state.conv, live_state.temporal, live_slot)
         self.bridge.store_kv(model_cache, kv_pool, kv_indices[restored:], start=restored)
         driver.finish(req)
-        self.capture.request_finished(request.session, [*prompt, *fed])
+        # The engine feeds every output token back: the tree holds prompt + output.
+        self.capture.request_finished(request.session, [*prompt, *fed], len(prompt))
         return EngineResult(
             prompt_logits=logits,
             greedy_ids=greedy,

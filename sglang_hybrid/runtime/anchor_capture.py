@@ -88,18 +88,17 @@ class AnchorCapture:
         *,
         session: str,
         prompt: np.ndarray,
-        expected_output: np.ndarray,
         restored_slot: Optional[int],
         hint: Optional[ValidatedHint],
     ) -> list[tuple[int, torch.Tensor]]:
         """Stage the checkpoints ``req`` gets; return their (depth, slot), by depth.
 
-        ``expected_output`` are tokens known to follow the prompt in the tree (a replay
-        knows them; a server passes none). Slots run out quietly: a request is never failed
-        for want of a checkpoint.
+        Planned from what a server knows at a request's first prefill forward: its prompt and
+        the tree, not its output. Slots run out quietly: a request is never failed for want
+        of a checkpoint.
         """
         restored = int(req.prefix_len)
-        wanted = self._wanted_depths(session, prompt, expected_output, restored, restored_slot, hint)
+        wanted = self._wanted_depths(session, prompt, restored, restored_slot, hint)
         staged: list[tuple[int, torch.Tensor]] = []
         for depth, purpose in wanted:
             slot = self.cache.alloc_checkpoint_slot()
@@ -111,7 +110,7 @@ class AnchorCapture:
             staged.append((depth, slot.view(-1)))
         return staged
 
-    def _wanted_depths(self, session, prompt, expected_output, restored, restored_slot, hint):
+    def _wanted_depths(self, session, prompt, restored, restored_slot, hint):
         prompt_len = int(prompt.shape[0])
         if self.planner is not None:
             # The adaptive planner weighs a client's hint together with its own candidates.
@@ -119,8 +118,7 @@ class AnchorCapture:
             plan = self.planner.plan(RequestContext(
                 session=session,
                 prompt_ids=prompt,
-                output_ids=expected_output,
-                anchors=self.detector.detect(prompt, expected_output),
+                anchors=self.detector.detect(prompt),
                 tree_lcp=lcp,
                 held_depths=[depth for depth, _ in held],
                 restored_depth=restored,
@@ -135,7 +133,7 @@ class AnchorCapture:
         if mode is HintMode.EXPLICIT:
             depths = hint.positions.tolist()
         elif mode is HintMode.MESSAGES or self.mode == "messages":
-            anchors = self.detector.detect(prompt, expected_output)
+            anchors = self.detector.detect(prompt)
             depths = np.unique(anchors.of_kind(AnchorKind.MESSAGE_START)).tolist()
         else:
             return []
@@ -149,14 +147,18 @@ class AnchorCapture:
         record = self.planner.records.get(int(restored_slot))
         return record.session if record is not None else None
 
-    def request_finished(self, session: str, cached_tokens: Sequence[int]) -> None:
-        """Tell the planner which slot holds the state after ``cached_tokens`` (what the request
-        left in the tree), and which slots the pool no longer holds."""
+    def request_finished(self, session: str, cached_tokens: Sequence[int], prompt_len: int) -> None:
+        """Tell the planner what the request left in the tree (``cached_tokens``: its prompt of
+        ``prompt_len`` tokens and the output its final state covers), which slot holds the
+        state after it, and which slots the pool no longer holds."""
         if self.planner is None or session not in self.planner.sessions:
             return
-        slot = self.cache.checkpoint_slot_at(cached_tokens)
+        tokens = np.asarray(cached_tokens, dtype=np.int64)
+        anchors = self.detector.detect(tokens[:prompt_len], tokens[prompt_len:])
+        self.planner.request_finished(session, tokens, anchors)
+        slot = self.cache.checkpoint_slot_at(tokens)
         if slot is not None:
-            self.planner.record_checkpoint(slot, session, len(cached_tokens), Purpose.CONTINUATION)
+            self.planner.record_checkpoint(slot, session, len(tokens), Purpose.CONTINUATION)
         self.planner.forget_slots(self.cache.checkpoint_pool.free_slot_ids())
 
     # ---- per forward (server) ----
@@ -180,8 +182,7 @@ class AnchorCapture:
                 session = session or self.session_of_restore(restored_slot) or req.rid
                 prompt = np.asarray(req.origin_input_ids, dtype=np.int64)
                 self._uncaptured[req.rid] = self.plan_request(
-                    req, session=session, prompt=prompt, expected_output=np.empty(0, np.int64),
-                    restored_slot=restored_slot, hint=hint,
+                    req, session=session, prompt=prompt, restored_slot=restored_slot, hint=hint,
                 )
                 self._sessions[req.rid] = session
             start, length = int(req.prefix_len), int(req.extend_len)
