@@ -33,6 +33,7 @@ if TYPE_CHECKING:
 
     from sglang.srt.managers.schedule_batch import Req
     from sglang.srt.managers.scheduler import Scheduler
+    from sglang.srt.mem_cache.allocator.mamba import MambaSlotAllocator
 
     from sglang_hybrid.cache.checkpoint_pool import StateCheckpointPool
     from sglang_hybrid.cache.semantic_cache import CheckpointStats, SemanticStateCache
@@ -98,7 +99,12 @@ class CheckpointMetricsCollector(_StatLoggerDIMixin):
     default registry unless given one.
     """
 
-    def __init__(self, labels: dict[str, object], registry: Optional["CollectorRegistry"] = None):
+    def __init__(
+        self,
+        labels: dict[str, object],
+        registry: Optional["CollectorRegistry"] = None,
+        live_allocator: Optional["MambaSlotAllocator"] = None,
+    ):
         # Imported here, as SGLang does, so PROMETHEUS_MULTIPROC_DIR is set by then.
         from prometheus_client import Counter as _PromCounter
         from prometheus_client import Gauge as _PromGauge
@@ -108,6 +114,9 @@ class CheckpointMetricsCollector(_StatLoggerDIMixin):
         placement = {} if registry is None else {"registry": registry}
 
         self.labels = dict(labels)
+        # SGLang's allocator of live (per-request) state slots, req_to_token_pool's
+        # mamba_allocator; without it the live-slot gauges stay at 0.
+        self.live_allocator = live_allocator
         label_names = list(self.labels)
         self.counters = {
             stat: Counter(
@@ -136,22 +145,56 @@ class CheckpointMetricsCollector(_StatLoggerDIMixin):
             multiprocess_mode="mostrecent",
             **placement,
         )
+        # The live (per-request) state slots beside the checkpoint slots: a request holds
+        # one while it runs, so on an idle server the count in use is 0 unless one leaked.
+        self.live_slots_in_use = Gauge(
+            name=f"{METRIC_PREFIX}live_state_slots_in_use",
+            documentation="Live recurrent-state slots held by requests (SGLang's "
+            "req_to_token_pool mamba pool); 0 on an idle server.",
+            labelnames=label_names,
+            multiprocess_mode="mostrecent",
+            **placement,
+        )
+        self.live_slots_capacity = Gauge(
+            name=f"{METRIC_PREFIX}live_state_slots_capacity",
+            documentation="Live recurrent-state slots in SGLang's request pool "
+            "(--max-mamba-cache-size).",
+            labelnames=label_names,
+            multiprocess_mode="mostrecent",
+            **placement,
+        )
         self._reported = {stat: 0 for stat in COUNTERS}
         # Create each labelled series now, so a rank exports its zeros from the first
         # scrape: rate() and absent() then see the series before its first event.
-        for metric in (*self.counters.values(), self.slots_in_use, self.slots_capacity):
+        for metric in (
+            *self.counters.values(),
+            self.slots_in_use,
+            self.slots_capacity,
+            self.live_slots_in_use,
+            self.live_slots_capacity,
+        ):
             metric.labels(**self.labels)
 
     @classmethod
     def for_cache(cls, cache: "SemanticStateCache") -> Optional["CheckpointMetricsCollector"]:
-        """A collector labelled like ``cache``'s own radix-cache collector; None when the
-        server runs without ``--enable-metrics`` (SGLang then builds none either)."""
+        """A collector labelled like ``cache``'s own radix-cache collector, reading the
+        live slots of ``cache``'s request pool; None when the server runs without
+        ``--enable-metrics`` (SGLang then builds none either)."""
         if cache.metrics_collector is None:
             return None
-        return cls(labels=cache.metrics_collector.labels)
+        return cls(
+            labels=cache.metrics_collector.labels,
+            live_allocator=cache.req_to_token_pool.mamba_allocator,
+        )
 
     def observe(self, stats: "CheckpointStats", pool: "StateCheckpointPool") -> None:
-        """Publish ``stats`` (cumulative) and the pool's occupancy."""
+        """Publish ``stats`` (cumulative), the checkpoint pool's occupancy and the live
+        slots in use.
+
+        The gauges hold the value of the last call: the cache calls this on every match,
+        insert, release and eviction, and SGLang frees a finished request's live slot
+        inside the release, so after the last request the live gauge reads the idle pool.
+        """
         for stat, counter in self.counters.items():
             value = getattr(stats, stat)
             previous = self._reported[stat]
@@ -163,7 +206,10 @@ class CheckpointMetricsCollector(_StatLoggerDIMixin):
             self._reported[stat] = value
         self.slots_in_use.labels(**self.labels).set(pool.used_size())
         self.slots_capacity.labels(**self.labels).set(pool.num_slots)
-
+        if self.live_allocator is not None:
+            live = self.live_allocator
+            self.live_slots_in_use.labels(**self.labels).set(live.size - live.available_size())
+            self.live_slots_capacity.labels(**self.labels).set(live.size)
 
 
 # ---- per-request restore report in meta_info ----

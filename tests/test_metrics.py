@@ -100,6 +100,25 @@ def test_counters_keep_growing_when_the_stats_start_afresh():
     assert sample(registry, "sglang:semantic_checkpoints_taken_total") == taken + 2
 
 
+def test_live_slot_gauges_follow_requests_in_flight():
+    driver = build("semantic", checkpoint_slots=SLOTS)
+    cache = driver.cache
+    live = cache.req_to_token_pool.mamba_allocator
+    registry = CollectorRegistry()
+    collector = CheckpointMetricsCollector(LABELS, registry=registry, live_allocator=live)
+
+    running = driver.new_request(PROMPT, [7, 8])
+    driver.admit(running)
+    collector.observe(cache.stats, cache.checkpoint_pool)
+    assert sample(registry, "sglang:semantic_live_state_slots_in_use") == 1
+    assert sample(registry, "sglang:semantic_live_state_slots_capacity") == live.size
+
+    driver.finish(running)
+    collector.observe(cache.stats, cache.checkpoint_pool)
+    assert sample(registry, "sglang:semantic_live_state_slots_in_use") == 0
+    assert sample(registry, "sglang:semantic_checkpoint_slots_in_use") == cache.checkpoint_pool.used_size() > 0
+
+
 def test_no_collector_without_enable_metrics():
     driver = build("semantic")
     assert driver.cache.metrics_collector is None

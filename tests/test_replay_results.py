@@ -53,8 +53,8 @@ def test_run_replay_writes_results_report_and_plots(tmp_path):
 
 
 def test_unknown_backend_is_refused(tmp_path):
-    with pytest.raises(ValueError, match="backend 'server' is not available"):
-        run_replay(Path("unused"), ["none"], backend="server", out_dir=tmp_path)
+    with pytest.raises(ValueError, match="backend 'cluster' is not available"):
+        run_replay(Path("unused"), ["none"], backend="cluster", out_dir=tmp_path)
 
 
 def test_replay_cli_default_runs_the_synthetic_sessions(tmp_path, capsys):

@@ -9,6 +9,8 @@ model is a roofline for a request served alone, which is what the sim replays:
       attention part: per attention layer and token at position p, QK^T and PV cost 4*q_heads*head_dim*p.
   checkpoint_copy = 2 * checkpoint_bytes / hbm_bandwidth   (read + write, device to device)
   host_restore    = checkpoint_bytes / pcie_bandwidth      (host pinned memory -> device)
+      pcie_bandwidth: achieved host-to-device rate of a PCIe x16 link from pinned memory, per the
+      profile's GPU: Gen4 (32 GB/s raw) ~25 GB/s, Gen5 (64 GB/s raw) ~55 GB/s.
 
 Prefill efficiency (achieved / peak FLOPs) is an assumption: 0.4 for a 3B-active MoE prefill in
 bf16, the same on all three GPUs so profiles differ only by published hardware figures.
@@ -132,9 +134,11 @@ class Hardware:
 
 # H200 SXM datasheet: 989 TFLOPS bf16 dense, 4.8 TB/s HBM3e; PCIe Gen5 x16 (64 GB/s raw, ~55 achieved).
 H200 = Hardware("h200", peak_bf16_flops=989e12, hbm_bytes_per_s=4.8e12, pcie_bytes_per_s=55e9)
-# RTX 4090 (Ada whitepaper): 165.2 TFLOPS bf16 with fp32 accumulate, 1,008 GB/s GDDR6X; PCIe Gen4 x16 (~25 achieved).
+# RTX 4090 (Ada whitepaper): 165.2 TFLOPS bf16 with fp32 accumulate, 1,008 GB/s GDDR6X;
+# PCIe Gen4 x16 (32 GB/s raw, ~25 achieved).
 RTX4090 = Hardware("rtx4090", peak_bf16_flops=165.2e12, hbm_bytes_per_s=1008e9, pcie_bytes_per_s=25e9)
-# RTX 5090 (Blackwell whitepaper): 209.5 TFLOPS bf16 with fp32 accumulate, 1,792 GB/s GDDR7; PCIe Gen5 x16.
+# RTX 5090 (Blackwell whitepaper): 209.5 TFLOPS bf16 with fp32 accumulate, 1,792 GB/s GDDR7;
+# PCIe Gen5 x16 (64 GB/s raw, ~55 achieved).
 RTX5090 = Hardware("rtx5090", peak_bf16_flops=209.5e12, hbm_bytes_per_s=1792e9, pcie_bytes_per_s=55e9)
 
 PREFILL_EFFICIENCY = 0.4
@@ -171,9 +175,17 @@ class CostProfile:
     def host_restore_s(self) -> float:
         return self.checkpoint_bytes / self.hardware.pcie_bytes_per_s
 
-    def ttft_s(self, restored_depth: int, recomputed_tokens: int) -> float:
-        """Time to first token of a request served alone: restore copy (if any) + recompute of the rest."""
+    def ttft_s(self, restored_depth: int, recomputed_tokens: int, restored_from_host: bool = False) -> float:
+        """Time to first token of a request served alone: restore copy (if any) + recompute of the rest.
+
+        A checkpoint restored from the host tier first crosses PCIe into a device slot (the
+        promotion), then is copied into the request's slot like any device checkpoint.
+        """
+        if restored_from_host and restored_depth <= 0:
+            raise ValueError("a restore from the host tier needs a restored depth > 0")
         restore = self.checkpoint_copy_s() if restored_depth > 0 else 0.0
+        if restored_from_host:
+            restore += self.host_restore_s()
         return restore + self.recompute_s(restored_depth, recomputed_tokens)
 
     def slots_for_gib(self, gib: float) -> int:

@@ -37,7 +37,7 @@ def plot_hit_rate_vs_budget(path: Path, sweep: dict[str, dict[str, dict[str, Any
     plt.close(fig)
 
 
-def plot_ttft_cdf(path: Path, ttft_s: dict[str, list[float]]) -> None:
+def plot_ttft_cdf(path: Path, ttft_s: dict[str, list[float]], xlabel: str = "TTFT (ms, cost model)") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -48,13 +48,24 @@ def plot_ttft_cdf(path: Path, ttft_s: dict[str, list[float]]) -> None:
         xs = np.sort(np.asarray(values)) * 1e3
         ax.plot(xs, np.arange(1, len(xs) + 1) / len(xs), label=name)
     ax.set_xscale("log")
-    ax.set_xlabel("TTFT (ms, cost model)")
+    ax.set_xlabel(xlabel)
     ax.set_ylabel("fraction of requests")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def _host_tier_lines(results: dict[str, Any], profile: CostProfile) -> list[str]:
+    """The semantic policy's host tier, when the replay gave it one."""
+    host_slots = results.get("host_slots", 0)
+    semantic = results["policies"].get("semantic")
+    if not host_slots or semantic is None:
+        return []
+    return ["", f"The semantic policy has a host tier of {host_slots} slots "
+            f"({host_slots * profile.checkpoint_bytes / MIB / 1024:.2f} GiB of host memory) below its device pool; "
+            f"{semantic['host_restores']:,} of its {semantic['requests']:,} requests restored from it."]
 
 
 def write_report(out: Path, results: dict[str, Any], sweep: dict[str, dict[str, dict[str, Any]]],
@@ -78,6 +89,7 @@ def write_report(out: Path, results: dict[str, Any], sweep: dict[str, dict[str, 
             f"{row['recomputed_tokens']:,} | {row['hit_rate']:.3f} | {row['checkpoints_taken']:,} | "
             f"{row['checkpoint_slots_peak']:,} | {_ms(t['mean'])} | {_ms(t['p50'])} | {_ms(t['p95'])} | {_ms(t['p99'])} |"
         )
+    lines += _host_tier_lines(results, profile)
     budgets = sorted(sweep, key=int)
     lines += ["", "## Hit rate by checkpoint budget", "", "| policy | " + " | ".join(budgets) + " |",
               "|---|" + "---:|" * len(budgets)]
@@ -94,7 +106,8 @@ def write_report(out: Path, results: dict[str, Any], sweep: dict[str, dict[str, 
         f"- checkpoint copy (device) {profile.checkpoint_copy_s() * 1e6:.0f} us; restore from host "
         f"{profile.host_restore_s() * 1e3:.2f} ms; recompute of 1k tokens at context 0 / 32k: "
         f"{_ms(profile.recompute_s(0, 1000))} / {_ms(profile.recompute_s(32_000, 1000))} ms",
-        "- TTFT = restore copy (if a checkpoint is used) + recompute of the rest of the prompt, request alone",
+        "- TTFT = restore copy (if a checkpoint is used; from the host tier, plus its PCIe copy) + recompute "
+        "of the rest of the prompt, request alone",
         "",
         "## Trace",
         "",

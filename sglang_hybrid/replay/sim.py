@@ -5,7 +5,14 @@ budget in one pass over the trace (policies only differ in checkpoint bookkeepin
 the cost model. results.json follows DESIGN.md ("Interfaces") exactly; the hit-rate sweep over
 SWEEP_BUDGETS that the report plots goes to budget_sweep.json beside it. Backend `engine`
 (engine_backend.py) serves the `semantic` policy with a tiny hybrid model on CPU instead, cached
-and uncached, and adds measured times and exactness.
+and uncached, and adds measured times and exactness. Backend `server` (server_backend.py)
+replays the trace against a running SGLang server and reports what its cache did.
+
+A host-memory checkpoint tier (`host_slots`) exists in the real cache the `semantic` policy
+drives, so only that policy gets one; the peers are replayed as they ship, device pool only.
+With a host tier, results.json (and budget_sweep.json) add to DESIGN.md's schema the host budget
+(`host_slots`) and, per policy, the requests restored from the host tier (`host_restores`),
+whose TTFT carries the PCIe copy; without one they are exactly DESIGN.md's.
 """
 
 from __future__ import annotations
@@ -20,10 +27,11 @@ from tqdm import tqdm
 
 from .cost_model import DEFAULT_PROFILE, CostProfile, get_profile
 from .policies import POLICIES, Policy, ServeOutcome, drive, make_policy
+from .policies.semantic import SemanticPolicy
 from .trace import Trace, load_trace
 
 SWEEP_BUDGETS = (16, 64, 256)
-BACKENDS = ("sim", "engine")
+BACKENDS = ("sim", "engine", "server")
 PROGRESS_MIN_REQUESTS = 200
 
 
@@ -34,6 +42,7 @@ class PolicyStats:
     cached_tokens: int = 0
     recomputed_tokens: int = 0
     checkpoints_taken: int = 0
+    host_restores: int = 0
     ttft_s: list[float] = field(default_factory=list)
 
     def add(self, outcome: ServeOutcome, ttft_s: float) -> None:
@@ -41,11 +50,13 @@ class PolicyStats:
         self.cached_tokens += outcome.cached_tokens
         self.recomputed_tokens += outcome.recomputed_tokens
         self.checkpoints_taken += outcome.checkpoints_taken
+        self.host_restores += outcome.restored_from_host
         self.ttft_s.append(ttft_s)
 
-    def summary(self) -> dict[str, Any]:
+    def summary(self, host_tier: bool = False) -> dict[str, Any]:
+        """DESIGN.md's per-policy row; `host_tier` adds `host_restores`."""
         ttft = np.asarray(self.ttft_s)
-        return {
+        row = {
             "requests": len(self.ttft_s),
             "prompt_tokens": self.prompt_tokens,
             "cached_tokens": self.cached_tokens,
@@ -60,15 +71,31 @@ class PolicyStats:
                 "p99": float(np.percentile(ttft, 99)),
             },
         }
+        if host_tier:
+            row["host_restores"] = self.host_restores
+        return row
+
+
+def build_policy(name: str, budget_slots: int, profile: CostProfile, host_slots: int = 0) -> Policy:
+    """`name` under a device budget; `host_slots` sizes the semantic policy's host tier, the
+    other policies have none and ignore it."""
+    if name == SemanticPolicy.name:
+        return SemanticPolicy(budget_slots, profile, host_slots=host_slots)
+    return make_policy(name, budget_slots, profile)
 
 
 def simulate(trace: Trace, policy_names: Sequence[str], budgets: Sequence[int], profile: CostProfile,
-             progress: bool = True) -> dict[int, dict[str, PolicyStats]]:
-    """Replay `trace` once for every (budget, policy); returns stats[budget][policy]."""
+             progress: bool = True, host_slots: int = 0) -> dict[int, dict[str, PolicyStats]]:
+    """Replay `trace` once for every (budget, policy); returns stats[budget][policy].
+
+    `host_slots`: the semantic policy's host tier at every budget (see build_policy).
+    """
     for name in policy_names:
         if name not in POLICIES:
             raise ValueError(f"unknown policy {name!r}; known: {', '.join(POLICIES)}")
-    stats = {budget: {name: PolicyStats(make_policy(name, budget, profile)) for name in policy_names}
+    if host_slots < 0:
+        raise ValueError(f"host_slots must be >= 0, got {host_slots}")
+    stats = {budget: {name: PolicyStats(build_policy(name, budget, profile, host_slots)) for name in policy_names}
              for budget in budgets}
     flat = [entry for by_name in stats.values() for entry in by_name.values()]
     requests = sorted(trace.requests, key=lambda r: r.arrival_s)
@@ -76,7 +103,8 @@ def simulate(trace: Trace, policy_names: Sequence[str], budgets: Sequence[int], 
                disable=not progress or len(requests) < PROGRESS_MIN_REQUESTS)
     for _, outcomes in drive(requests, [entry.policy for entry in flat]):
         for entry, outcome in zip(flat, outcomes):
-            entry.add(outcome, profile.ttft_s(outcome.restored_depth, outcome.recomputed_tokens))
+            entry.add(outcome, profile.ttft_s(outcome.restored_depth, outcome.recomputed_tokens,
+                                              outcome.restored_from_host))
         bar.update()
     bar.close()
     return stats
@@ -102,19 +130,34 @@ def run_replay(
     sweep_budgets: Sequence[int] = SWEEP_BUDGETS,
     progress: bool = True,
     model: str | None = None,
+    host_slots: int = 0,
+    server_url: str | None = None,
+    concurrency: int = 1,
 ) -> dict[str, Any]:
     """Replay a trace (path or Trace) and write results.json, budget_sweep.json, report.md and plots.
 
-    ``model`` names the tiny model of backend `engine` (engine_backend.MODELS).
+    ``model`` names the tiny model of backend `engine` (engine_backend.MODELS). ``host_slots``
+    sizes the host checkpoint tier of the `semantic` policy (backend `sim` only). Backend
+    `server` replays against the SGLang server at ``server_url`` with up to ``concurrency``
+    requests in flight (server_backend.py).
     """
     from .report import write_report
 
     if backend not in BACKENDS:
         raise ValueError(f"backend {backend!r} is not available in this build; available: {', '.join(BACKENDS)}")
+    if (server_url is not None) != (backend == "server"):
+        raise ValueError("backend 'server' needs a server_url, and only it takes one")
+    if host_slots and backend != "sim":
+        raise ValueError(f"a host checkpoint tier is replayed by backend 'sim' only, not {backend!r}")
     cost = get_profile(profile)
     budget = resolve_budget(cost, budget_slots, budget_gib)
     loaded = trace if isinstance(trace, Trace) else load_trace(trace)
     trace_name = loaded.meta.get("name") or (str(trace) if not isinstance(trace, Trace) else "in-memory trace")
+    if backend == "server":
+        from .server_backend import server_replay
+
+        return server_replay(loaded, server_url=server_url, out_dir=out_dir, trace_name=trace_name,
+                             profile=cost.name, concurrency=concurrency, progress=progress)
     if backend == "engine":
         from .engine_backend import DEFAULT_MODEL, engine_replay
 
@@ -123,15 +166,16 @@ def run_replay(
     if model is not None:
         raise ValueError("a model is only served by backend 'engine'")
     budgets = sorted({budget, *sweep_budgets})
-    stats = simulate(loaded, policies, budgets, cost, progress)
+    stats = simulate(loaded, policies, budgets, cost, progress, host_slots)
     results = {
         "trace": trace_name,
         "backend": backend,
         "profile": cost.name,
         "budget_slots": budget,
-        "policies": {name: stats[budget][name].summary() for name in policies},
+        **({"host_slots": host_slots} if host_slots else {}),
+        "policies": {name: stats[budget][name].summary(host_tier=bool(host_slots)) for name in policies},
     }
-    sweep = {str(b): {name: stats[b][name].summary() for name in policies} for b in budgets}
+    sweep = {str(b): {name: stats[b][name].summary(host_tier=bool(host_slots)) for name in policies} for b in budgets}
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")

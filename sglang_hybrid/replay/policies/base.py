@@ -30,6 +30,9 @@ class ServeOutcome:
     recomputed_tokens: int
     checkpoints_taken: int
     restored_depth: int
+    # The restored checkpoint was copied in from host memory (a host tier below the device
+    # pool); only a policy with such a tier sets it.
+    restored_from_host: bool = False
 
 
 @dataclass

@@ -2,7 +2,8 @@
 
 Every request goes through a ``SemanticStateCache`` built by SGLang's registry and driven the
 way SGLang's scheduler drives it (``SchedulerDriver``): admission match with copy-on-write
-restore, the ``CheckpointPlanner``'s checkpoints staged during the request, insert of the
+restore, the ``CheckpointPlanner``'s checkpoints staged during the request by the server's own
+planning step (``AnchorCapture``: prompt and tree known, output not yet), insert of the
 request with its final state on finish, evictions by the cache itself with the planner as
 its ``eviction_scorer``. The reported reuse is what the cache restored.
 
@@ -14,6 +15,11 @@ only lose reuse, never gain any).
 
 The tree holds prompt + output[:-1] of each request: the last sampled token is never fed back
 through the model, so the final state -- and SGLang's insert on finish -- stops before it.
+
+With ``host_slots`` the cache has its host-memory tier below the device pool: device evictions
+are demoted there and a restore from it promotes the checkpoint back. Which restores came
+from the host is read off the cache's own counter, so the replay charges the PCIe copy to
+exactly those requests.
 """
 
 from __future__ import annotations
@@ -24,7 +30,8 @@ import numpy as np
 
 from ...anchors.detector import AnchorDetector
 from ...anchors.hints import validate_hints
-from ...anchors.planner import CheckpointPlanner, Purpose, RequestContext
+from ...anchors.planner import CheckpointPlanner
+from ...runtime.anchor_capture import AnchorCapture
 from . import register_policy
 from .base import Policy, ReplayStep, ServeOutcome
 
@@ -67,7 +74,7 @@ def tiny_state_spec(kv_tokens: int = DEFAULT_KV_TOKENS, max_context: int = DEFAU
 class SemanticPolicy(Policy):
     name = "semantic"
 
-    def __init__(self, budget_slots, profile, *, detector: AnchorDetector | None = None,
+    def __init__(self, budget_slots, profile, *, host_slots: int = 0, detector: AnchorDetector | None = None,
                  spec: "HybridPoolSpec | None" = None, max_hints: int = 64):
         super().__init__(budget_slots, profile)
         # Importing SGLang takes seconds; only a replay that uses this policy pays for it.
@@ -79,12 +86,14 @@ class SemanticPolicy(Policy):
         self.max_hints = max_hints
         self.under_test = build_tree_cache(
             "semantic", spec or tiny_state_spec(),
-            config=SemanticCacheConfig(state_checkpoint_slots=budget_slots),
+            config=SemanticCacheConfig(state_checkpoint_slots=budget_slots, state_checkpoint_host_slots=host_slots),
         )
         self.driver = SchedulerDriver(self.under_test)
         self.cache = self.under_test.cache
         self.planner = CheckpointPlanner()
         self.cache.eviction_scorer = self.planner.eviction_score
+        # The server's planning step (runtime/): what a server knows when it plans a prefill.
+        self.capture = AnchorCapture(self.cache, self.detector, "adaptive", self.planner)
         self.kv_tokens_evicted = 0
 
     @property
@@ -97,44 +106,25 @@ class SemanticPolicy(Policy):
         kept_output = request.output_ids[:-1]
         req = self.driver.new_request(prompt.tolist(), kept_output.tolist())
         self._reserve_kv(len(prompt) + len(kept_output))
+        host_restores_before = self.cache.stats.restored_from_host
         result = self.driver.admit(req)
+        restored_from_host = self.cache.stats.restored_from_host > host_restores_before
         restored = int(result.device_prefix_len)
         source = req.kv.mamba_cow_src_index
         restored_slot = int(source) if source is not None and restored > 0 else None
         self.driver.run_copy_on_write(req)
 
-        lcp, held = self.cache.checkpoints_on_path(prompt)
         hint = validate_hints(request.anchors, len(prompt), self.max_hints) if request.anchors else None
-        plan = self.planner.plan(RequestContext(
-            session=request.session,
-            prompt_ids=prompt,
-            output_ids=kept_output,
-            anchors=self.detector.detect(prompt, kept_output),
-            tree_lcp=lcp,
-            held_depths=[depth for depth, _ in held],
-            restored_depth=restored,
-            restored_slot=restored_slot,
-            free_slots=self.cache.checkpoint_pool.available_size(),
-            hint=hint,
-        ))
         taken_before = self.cache.stats.taken
-        for checkpoint in plan.checkpoints:
-            slot = self.cache.alloc_checkpoint_slot()
-            if slot is None:
-                break
-            # The replay checks placement, not numerics: the slot's content is not written.
-            self.cache.stage_checkpoint(req, checkpoint.depth, slot)
-            self.planner.record_checkpoint(int(slot), request.session, checkpoint.depth, checkpoint.purpose)
+        # The replay checks placement, not numerics: the staged slots' content is not written.
+        self.capture.plan_request(
+            req, session=request.session, prompt=prompt, restored_slot=restored_slot, hint=hint
+        )
         self.driver.finish(req)
-
-        final_depth = len(prompt) + len(kept_output)
-        final_slot = self.cache.checkpoint_slot_at(np.concatenate([prompt, kept_output]))
-        if final_slot is not None:
-            self.planner.record_checkpoint(final_slot, request.session, final_depth, Purpose.CONTINUATION)
-        self.planner.forget_slots(self.cache.checkpoint_pool.free_slot_ids())
+        self.capture.request_finished(request.session, np.concatenate([prompt, kept_output]), len(prompt))
         self._note_usage()
         return ServeOutcome(len(prompt), restored, len(prompt) - restored,
-                            self.cache.stats.taken - taken_before, restored)
+                            self.cache.stats.taken - taken_before, restored, restored_from_host)
 
     # ---- reading the real tree ----
 
