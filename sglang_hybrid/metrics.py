@@ -127,41 +127,36 @@ class CheckpointMetricsCollector(_StatLoggerDIMixin):
             )
             for stat, (name, documentation) in COUNTERS.items()
         }
-        # "mostrecent": a gauge is one rank's current value, not to be summed across the
-        # processes that ever wrote it.
-        self.slots_in_use = Gauge(
-            name=f"{METRIC_PREFIX}checkpoint_slots_in_use",
-            documentation="Checkpoint slots holding a state (in the tree or staged by a "
-            "request in flight).",
-            labelnames=label_names,
-            multiprocess_mode="mostrecent",
-            **placement,
+        def gauge(name: str, documentation: str) -> "Gauge":
+            # "mostrecent": a gauge is one rank's current value, not to be summed across the
+            # processes that ever wrote it.
+            return Gauge(
+                name=f"{METRIC_PREFIX}{name}",
+                documentation=documentation,
+                labelnames=label_names,
+                multiprocess_mode="mostrecent",
+                **placement,
+            )
+
+        self.slots_in_use = gauge(
+            "checkpoint_slots_in_use",
+            "Checkpoint slots holding a state (in the tree or staged by a request in flight).",
         )
-        self.slots_capacity = Gauge(
-            name=f"{METRIC_PREFIX}checkpoint_slots_capacity",
-            documentation="Checkpoint slots in the pool (--state-checkpoint-slots or "
+        self.slots_capacity = gauge(
+            "checkpoint_slots_capacity",
+            "Checkpoint slots in the pool (--state-checkpoint-slots or "
             "--state-checkpoint-memory-gib).",
-            labelnames=label_names,
-            multiprocess_mode="mostrecent",
-            **placement,
         )
         # The live (per-request) state slots beside the checkpoint slots: a request holds
         # one while it runs, so on an idle server the count in use is 0 unless one leaked.
-        self.live_slots_in_use = Gauge(
-            name=f"{METRIC_PREFIX}live_state_slots_in_use",
-            documentation="Live recurrent-state slots held by requests (SGLang's "
-            "req_to_token_pool mamba pool); 0 on an idle server.",
-            labelnames=label_names,
-            multiprocess_mode="mostrecent",
-            **placement,
+        self.live_slots_in_use = gauge(
+            "live_state_slots_in_use",
+            "Live recurrent-state slots held by requests (SGLang's req_to_token_pool mamba "
+            "pool); 0 on an idle server.",
         )
-        self.live_slots_capacity = Gauge(
-            name=f"{METRIC_PREFIX}live_state_slots_capacity",
-            documentation="Live recurrent-state slots in SGLang's request pool "
-            "(--max-mamba-cache-size).",
-            labelnames=label_names,
-            multiprocess_mode="mostrecent",
-            **placement,
+        self.live_slots_capacity = gauge(
+            "live_state_slots_capacity",
+            "Live recurrent-state slots in SGLang's request pool (--max-mamba-cache-size).",
         )
         self._reported = {stat: 0 for stat in COUNTERS}
         # Create each labelled series now, so a rank exports its zeros from the first

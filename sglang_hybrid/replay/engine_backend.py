@@ -32,6 +32,7 @@ from tqdm import tqdm
 from ..anchors.planner import CheckpointPlanner
 from ..engine.engine import CpuHybridEngine, EngineRequest, EngineResult
 from ..engine.tiny_models import tiny_granite_moe_hybrid, tiny_nemotron_h, tiny_qwen3_next
+from .report import distribution
 from .trace import Request, Trace
 
 # Tiny random-weight models, by the name of the architecture they stand in for.
@@ -116,16 +117,6 @@ def serve_trace(trace: Trace, *, budget_slots: int, model: str = DEFAULT_MODEL,
     return pairs, engine.cache.stats.taken, slots_peak
 
 
-def _distribution(values: Sequence[float]) -> dict[str, float]:
-    samples = np.asarray(values)
-    return {
-        "mean": float(samples.mean()),
-        "p50": float(np.percentile(samples, 50)),
-        "p95": float(np.percentile(samples, 95)),
-        "p99": float(np.percentile(samples, 99)),
-    }
-
-
 def summarize(pairs: Sequence[ServedPair], checkpoints_taken: int, slots_peak: int, model: str) -> dict[str, Any]:
     """The `semantic` policy's entry of results.json."""
     prompt_tokens = sum(len(p.request.input_ids) for p in pairs)
@@ -141,7 +132,7 @@ def summarize(pairs: Sequence[ServedPair], checkpoints_taken: int, slots_peak: i
         "hit_rate": cached_tokens / prompt_tokens if prompt_tokens else 0.0,
         "checkpoints_taken": checkpoints_taken,
         "checkpoint_slots_peak": slots_peak,
-        "ttft_s": _distribution([p.cached.ttft_s for p in pairs]),
+        "ttft_s": distribution([p.cached.ttft_s for p in pairs]),
         "exactness": {
             "requests_checked": len(pairs),
             "max_abs_logit_diff": max(p.logit_diff for p in pairs),
@@ -151,7 +142,7 @@ def summarize(pairs: Sequence[ServedPair], checkpoints_taken: int, slots_peak: i
         "engine": {
             "model": model,
             "wall_s_uncached": sum(p.uncached.wall_s for p in pairs),
-            "ttft_s_uncached": _distribution([p.uncached.ttft_s for p in pairs]),
+            "ttft_s_uncached": distribution([p.uncached.ttft_s for p in pairs]),
             "prefill_s": ttft,
             "prefill_s_uncached": ttft_uncached,
             # Prefill time saved vs prompt tokens saved: with a cost linear in recomputed

@@ -57,6 +57,7 @@ from ..metrics import COUNTERS, METRIC_PREFIX, REQUEST_INFO_KEY
 from ..request_hints import CHECKPOINT_HINT_PARAM, SESSION_PARAM
 from .cost_model import DEFAULT_PROFILE, get_profile
 from .policies import drive, make_policy
+from .report import distribution
 from .trace import Request, Trace
 
 CONNECT_TIMEOUT_S = 10.0
@@ -390,18 +391,6 @@ def compare_with_sim(served: Sequence[ServedRequest], budget_slots: int) -> dict
 # ---- results ----
 
 
-def _distribution(values: Sequence[float]) -> Optional[dict[str, float]]:
-    if not values:
-        return None
-    samples = np.asarray(values)
-    return {
-        "mean": float(samples.mean()),
-        "p50": float(np.percentile(samples, 50)),
-        "p95": float(np.percentile(samples, 95)),
-        "p99": float(np.percentile(samples, 99)),
-    }
-
-
 def summarize(served: Sequence[ServedRequest], metrics: Optional[dict[str, Any]],
               slots_in_use_before: Optional[float]) -> dict[str, Any]:
     """The server's row of results.json (DESIGN.md's per-policy fields)."""
@@ -422,7 +411,7 @@ def summarize(served: Sequence[ServedRequest], metrics: Optional[dict[str, Any]]
         "hit_rate": cached_tokens / prompt_tokens if prompt_tokens else 0.0,
         "checkpoints_taken": taken,
         "checkpoint_slots_peak": slots_peak,
-        "ttft_s": _distribution([s.ttft_s for s in served if s.ttft_s is not None]),
+        "ttft_s": distribution([s.ttft_s for s in served if s.ttft_s is not None]),
     }
 
 
@@ -514,7 +503,7 @@ def server_replay(trace: Trace, *, server_url: str, out_dir: str | Path, trace_n
         "wall_s": wall_s,
         "aborted_requests": sum(s.aborted for s in served),
         "output_tokens": sum(len(s.output_ids) for s in served),
-        "e2e_s": _distribution([s.e2e_s for s in served]),
+        "e2e_s": distribution([s.e2e_s for s in served]),
         "metrics": metrics,
         "sim_comparison": comparison,
     }

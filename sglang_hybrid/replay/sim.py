@@ -22,12 +22,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-import numpy as np
 from tqdm import tqdm
 
 from .cost_model import DEFAULT_PROFILE, CostProfile, get_profile
 from .policies import POLICIES, Policy, ServeOutcome, drive, make_policy
 from .policies.semantic import SemanticPolicy
+from .report import distribution
 from .trace import Trace, load_trace
 
 SWEEP_BUDGETS = (16, 64, 256)
@@ -55,7 +55,6 @@ class PolicyStats:
 
     def summary(self, host_tier: bool = False) -> dict[str, Any]:
         """DESIGN.md's per-policy row; `host_tier` adds `host_restores`."""
-        ttft = np.asarray(self.ttft_s)
         row = {
             "requests": len(self.ttft_s),
             "prompt_tokens": self.prompt_tokens,
@@ -64,12 +63,7 @@ class PolicyStats:
             "hit_rate": self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0,
             "checkpoints_taken": self.checkpoints_taken,
             "checkpoint_slots_peak": self.policy.slots_peak,
-            "ttft_s": {
-                "mean": float(ttft.mean()),
-                "p50": float(np.percentile(ttft, 50)),
-                "p95": float(np.percentile(ttft, 95)),
-                "p99": float(np.percentile(ttft, 99)),
-            },
+            "ttft_s": distribution(self.ttft_s),
         }
         if host_tier:
             row["host_restores"] = self.host_restores
