@@ -291,7 +291,10 @@ class CheckpointPlanner:
     depths during prefill; after the request is in the tree, ``record_checkpoint`` every slot
     that holds one of its checkpoints (the staged ones and the generation-end one);
     ``forget_slots`` the slots the pool reports free; install ``eviction_score`` as the
-    cache's ``eviction_scorer``.
+    cache's ``eviction_scorer`` and ``move_record`` as its ``on_checkpoint_moved``.
+
+    A "slot" here is the key the cache knows a checkpoint by: a device slot id, or a negative
+    key while the checkpoint sits in the host tier.
     """
 
     def __init__(
@@ -480,9 +483,7 @@ class CheckpointPlanner:
         owner = self.sessions.get(session)
         if owner is None:
             raise KeyError(f"session {session!r} was never planned")
-        previous = self.records.get(slot)
-        if previous is not None:
-            self.sessions[previous.session].on_path.pop(slot, None)
+        self._drop_record(slot)
         span = owner.planned_spans.get(depth, depth) if purpose in _SHARED else 0
         self.records[slot] = _Record(session, depth, purpose, self.clock, span=span)
         if purpose is Purpose.SHARED_PATH:
@@ -491,13 +492,34 @@ class CheckpointPlanner:
         if purpose is Purpose.CONTINUATION:
             owner.continuation_slot = slot
 
+    def move_record(self, old_slot: int, new_slot: int) -> None:
+        """The checkpoint held in ``old_slot`` now sits in ``new_slot`` (the cache moved it
+        between its tiers): its record -- uses, age, place on its session's path -- follows."""
+        record = self.records.pop(old_slot, None)
+        self._drop_record(new_slot)
+        if record is None:
+            return
+        self.records[new_slot] = record
+        session = self.sessions[record.session]
+        if old_slot in session.on_path:
+            session.on_path[new_slot] = session.on_path.pop(old_slot)
+        if session.continuation_slot == old_slot:
+            session.continuation_slot = new_slot
+
     def forget_slots(self, free_slots: Iterable[int]) -> None:
         """Drop what the planner knows about slots the pool reports free (evicted, or a capture
         that never reached the tree)."""
         for slot in free_slots:
-            record = self.records.pop(int(slot), None)
-            if record is not None:
-                self.sessions[record.session].on_path.pop(int(slot), None)
+            self._drop_record(int(slot))
+
+    def _drop_record(self, slot: int) -> None:
+        record = self.records.pop(slot, None)
+        if record is None:
+            return
+        session = self.sessions[record.session]
+        session.on_path.pop(slot, None)
+        if session.continuation_slot == slot:
+            session.continuation_slot = None
 
     # ---- valuation ----
 

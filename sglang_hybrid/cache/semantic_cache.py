@@ -15,6 +15,11 @@ What differs from the stock ``UnifiedRadixCache`` (FULL + MAMBA):
 * An exhausted checkpoint pool degrades to "no checkpoint here"; the KV is inserted all the
   same and the request is never failed. Evicting checkpoints cannot give a live request a
   state slot, so eviction requests for live slots never touch the checkpoints.
+* With a host tier, a device victim is demoted there and promoted back by the restore that
+  needs it. Outside the cache a checkpoint is known by a key: its slot id on the device, its
+  ``host_checkpoint_key`` on the host; whoever keys records by checkpoint (the planner)
+  follows a move through ``on_checkpoint_moved``, and both tiers evict what the
+  ``eviction_scorer`` values least.
 """
 
 from __future__ import annotations
@@ -152,21 +157,46 @@ class SemanticMambaComponent(MambaComponent):
             return True
         return super().node_has_component_data(node, target)
 
-    def _demote(self, node: "UnifiedTreeNode", device_slot: torch.Tensor) -> bool:
-        """Move a device victim's state to the host tier; False when the tier keeps none."""
+    def _demote(self, node: "UnifiedTreeNode", device_slot: torch.Tensor, value: Optional[float]) -> bool:
+        """Move a device victim's state to the host tier; False when the tier keeps none.
+
+        ``value`` is the victim's worth to the ``eviction_scorer`` (None without one). A full
+        tier makes room by dropping its least valuable checkpoint, unless the victim is worth
+        no more than that one: then the victim is the one dropped.
+        """
         tier = self.host_tier
         if tier is None or tier.num_slots == 0:
             return False
         host_slot = tier.alloc()
         if host_slot is None:
-            _, oldest = self.host_lru.popitem(last=False)
-            tier.free(self.host_slots.pop(oldest.id))
-            self.cache.stats.host_evicted += 1
+            if not self._evict_host_checkpoint(value):
+                return False
             host_slot = tier.alloc()
         tier.demote(device_slot, host_slot)
         self.host_slots[node.id] = host_slot
         self.host_lru[node.id] = node
         self.cache.stats.demoted += 1
+        self.cache.checkpoint_moved(int(device_slot), host_checkpoint_key(host_slot))
+        return True
+
+    def _evict_host_checkpoint(self, incoming_value: Optional[float]) -> bool:
+        """Drop the host checkpoint the ``eviction_scorer`` values least (ties: the least
+        recently demoted or restored), or without a scorer the least recent one; False, dropping
+        nothing, when none is worth less than ``incoming_value``."""
+        scorer = self.cache.eviction_scorer
+        victim = None
+        if scorer is None:
+            victim = next(iter(self.host_lru.values()))
+        else:
+            lowest = incoming_value
+            for node_id, node in self.host_lru.items():
+                value = scorer(host_checkpoint_key(self.host_slots[node_id]), node_depth(node))
+                if value < lowest:
+                    victim, lowest = node, value
+            if victim is None:
+                return False
+        self._drop_host_copy(victim)
+        self.cache.stats.host_evicted += 1
         return True
 
     def _promote(self, node: "UnifiedTreeNode") -> None:
@@ -182,6 +212,7 @@ class SemanticMambaComponent(MambaComponent):
         self.host_tier.promote(host_slot, device_slot)
         self.tree_core.set_component_device_value(node.id, MAMBA, device_slot)
         self.cache.stats.promoted += 1
+        self.cache.checkpoint_moved(host_checkpoint_key(host_slot), int(device_slot))
 
     def _restore_from_host(self, node: "UnifiedTreeNode", req: "Req") -> None:
         pool = self.cache.req_to_token_pool
@@ -257,7 +288,7 @@ class SemanticMambaComponent(MambaComponent):
         """
         if tracker[MAMBA] >= self._evict_device_request_cnt:
             return None
-        victim = self._pick_victim()
+        victim, value = self._pick_victim()
         if victim is None:
             return None
         device_slot = victim.component_data[MAMBA].value
@@ -274,7 +305,7 @@ class SemanticMambaComponent(MambaComponent):
             )
         finally:
             self._lru_victim_walk = False
-        if self._demote(victim, device_slot):
+        if self._demote(victim, device_slot, value):
             # The tier hands the device slot back once its copy is done, not the drain.
             frees = device_frees[MAMBA]
             del frees[next(i for i, v in enumerate(frees) if v is device_slot)]
@@ -283,19 +314,26 @@ class SemanticMambaComponent(MambaComponent):
         self.tree_core._update_evictable_leaf_sets(victim)
         return None
 
-    def _pick_victim(self) -> Optional["UnifiedTreeNode"]:
+    def _pick_victim(self) -> tuple[Optional["UnifiedTreeNode"], Optional[float]]:
+        """The device victim and its value (None without an ``eviction_scorer``)."""
         lru = self.tree_core.lru_lists[MAMBA]
         node = lru.get_lru_no_lock()
         scorer = self.cache.eviction_scorer
         if scorer is None:
-            return node
+            return node, None
         best, best_score = None, None
         while node is not None:
             score = scorer(int(node.component_data[MAMBA].value), node_depth(node))
             if best_score is None or score < best_score:
                 best, best_score = node, score
             node = lru.get_prev_no_lock(node)
-        return best
+        return best, best_score
+
+
+def host_checkpoint_key(host_slot) -> int:
+    """How a host-tier checkpoint is known outside the cache: negative, so it never collides
+    with a device slot id (host row 0 is reserved, so keys run from -1 down)."""
+    return -int(host_slot)
 
 
 def node_depth(node: "UnifiedTreeNode") -> int:
@@ -320,9 +358,13 @@ class SemanticStateCache(UnifiedRadixCache):
         # Set while the cache evicts checkpoints for its own slot allocation, so the
         # component can tell an LRU checkpoint eviction from a KV eviction dropping one.
         self.evicting_checkpoints = False
-        # Optional (slot, depth) -> value of keeping that checkpoint; lower is evicted first.
-        # A planner installs it so eviction follows expected saving rather than recency.
+        # Optional (checkpoint key, depth) -> value of keeping that checkpoint; lower is
+        # evicted first, from either tier. A planner installs it so eviction follows expected
+        # saving rather than recency. A key is a device slot id or a ``host_checkpoint_key``.
         self.eviction_scorer: Optional[Callable[[int, int], float]] = None
+        # Optional (old key, new key) listener told when a checkpoint moves between tiers, so
+        # records kept by key (the planner's) follow the checkpoint instead of going stale.
+        self.on_checkpoint_moved: Optional[Callable[[int, int], None]] = None
         # rid -> [(depth, slot)]: checkpoints captured inside a prefill, not yet in the tree.
         self._staged: dict[str, list[tuple[int, torch.Tensor]]] = {}
         self.checkpoint_metrics: Optional[CheckpointMetricsCollector] = None
@@ -335,6 +377,18 @@ class SemanticStateCache(UnifiedRadixCache):
             self.checkpoint_metrics.observe(self.stats, self.checkpoint_pool)
 
     # ---- checkpoint slots ----
+
+    def checkpoint_moved(self, old_key: int, new_key: int) -> None:
+        if self.on_checkpoint_moved is not None:
+            self.on_checkpoint_moved(old_key, new_key)
+
+    def free_checkpoint_keys(self) -> list[int]:
+        """Keys of both tiers' free slots: a record kept under one of them is stale."""
+        keys = self.checkpoint_pool.free_slot_ids()
+        tier = self.checkpoint_pool.host_tier
+        if tier is not None:
+            keys += [host_checkpoint_key(slot) for slot in tier.free_slot_ids()]
+        return keys
 
     def alloc_checkpoint_slot(self) -> Optional[torch.Tensor]:
         """One free checkpoint slot, evicting the least recently restored one if needed.

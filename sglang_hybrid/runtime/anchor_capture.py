@@ -57,7 +57,8 @@ class AnchorCapture:
     stages them in ``cache``.
 
     ``planner`` is required for "adaptive" (it also scores eviction when installed as the
-    cache's ``eviction_scorer``); the other modes take no learning.
+    cache's ``eviction_scorer``); the other modes take no learning. The planner keeps its
+    records by checkpoint slot, so it follows the checkpoints the cache moves between tiers.
     """
 
     def __init__(
@@ -73,6 +74,8 @@ class AnchorCapture:
         self.detector = detector
         self.mode = mode
         self.planner = planner
+        if planner is not None:
+            cache.on_checkpoint_moved = planner.move_record
         # rid -> (depth, slot) staged for it and not yet captured by a forward; a request
         # is in the dict from its first prefill forward until it leaves (``release``).
         self._uncaptured: dict[str, list[tuple[int, torch.Tensor]]] = {}
@@ -159,7 +162,7 @@ class AnchorCapture:
         slot = self.cache.checkpoint_slot_at(tokens)
         if slot is not None:
             self.planner.record_checkpoint(slot, session, len(tokens), Purpose.CONTINUATION)
-        self.planner.forget_slots(self.cache.checkpoint_pool.free_slot_ids())
+        self.planner.forget_slots(self.cache.free_checkpoint_keys())
 
     # ---- per forward (server) ----
 
