@@ -5,6 +5,8 @@ Prints one ``name: value`` line per figure:
 * snapshot / restore bandwidth of ``copy_states`` as a fraction of a device-to-device
   ``Tensor.copy_`` of the same number of bytes (Qwen3-Next-80B-like pools: 36 GDN layers,
   conv (8192, 3) bf16 and temporal (32, 128, 128) fp32 per slot, 8 (src, dst) pairs);
+* host tier: demotion (device -> pinned host) and promotion of one such checkpoint, done
+  the way ``HostCheckpointTier`` copies, as a fraction of one pinned copy of the same bytes;
 * time of ``gdn_state_at_positions`` / ``mamba2_state_at_positions`` for 8 checkpoints at
   the worst in-chunk offset (a full chunk minus one token to advance) against a chunked
   scan of the same extend.  The scans are plain-torch chunked implementations written
@@ -92,6 +94,48 @@ def bench_copy(num_layers: int, work_slots: int, ckpt_slots: int, pairs: int) ->
     report("snapshot_fraction_of_d2d_copy", copy_ms / snapshot_ms)
     report("restore_fraction_of_d2d_copy", copy_ms / restore_ms)
     report("snapshot_bit_exact", exact)
+
+
+# ----------------------------------------------------------------------------- host tier
+
+
+def bench_host_tier(num_layers: int, slots: int) -> None:
+    """Demotion (device -> pinned host) and promotion of one checkpoint, done as
+    ``HostCheckpointTier._copy_rows`` does it (one ``copy_`` of the slot's row per state
+    tensor, non-blocking, on a side stream; that class needs sglang, so its two lines are
+    repeated here), against one pinned copy of the same bytes."""
+    conv_shape, temporal_shape = (8192, 3), (32, 128, 128)
+    device_conv = torch.randn(num_layers, slots, *conv_shape, device=DEVICE).to(torch.bfloat16)
+    device_temporal = torch.randn(num_layers, slots, *temporal_shape, device=DEVICE)
+    host_conv = torch.empty(device_conv.shape, dtype=device_conv.dtype, pin_memory=True)
+    host_temporal = torch.empty(device_temporal.shape, dtype=device_temporal.dtype, pin_memory=True)
+    side = torch.cuda.Stream()
+
+    def move(src_tensors, dst_tensors, src_row, dst_row):
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for src, dst in zip(src_tensors, dst_tensors):
+                dst[:, dst_row].copy_(src[:, src_row], non_blocking=True)
+        torch.cuda.current_stream().wait_stream(side)
+
+    device_tensors, host_tensors = (device_conv, device_temporal), (host_conv, host_temporal)
+    checkpoint_bytes = num_layers * (device_conv[0, 0].numel() * 2 + device_temporal[0, 0].numel() * 4)
+    flat_device = torch.empty(checkpoint_bytes, dtype=torch.uint8, device=DEVICE)
+    flat_host = torch.empty(checkpoint_bytes, dtype=torch.uint8, pin_memory=True)
+    d2h_plain_ms = _time_ms(lambda: flat_host.copy_(flat_device, non_blocking=True))
+    h2d_plain_ms = _time_ms(lambda: flat_device.copy_(flat_host, non_blocking=True))
+    demote_ms = _time_ms(lambda: move(device_tensors, host_tensors, 1, 2))
+    promote_ms = _time_ms(lambda: move(host_tensors, device_tensors, 2, 3))
+    torch.cuda.synchronize()
+    exact = torch.equal(device_temporal[:, 3], device_temporal[:, 1]) and torch.equal(
+        device_conv[:, 3].view(torch.int16), device_conv[:, 1].view(torch.int16)
+    )
+    report("host_checkpoint_MiB", checkpoint_bytes / 2**20)
+    report("demote_GBps", checkpoint_bytes / demote_ms / 1e6)
+    report("demote_fraction_of_pinned_copy", d2h_plain_ms / demote_ms)
+    report("promote_GBps", checkpoint_bytes / promote_ms / 1e6)
+    report("promote_fraction_of_pinned_copy", h2d_plain_ms / promote_ms)
+    report("host_round_trip_bit_exact", exact)
 
 
 # ----------------------------------------------------------------------------- GDN
@@ -259,6 +303,7 @@ def main() -> None:
         raise SystemExit("gpu_check needs a CUDA device")
     report("device", torch.cuda.get_device_name().replace(" ", "_"))
     bench_copy(args.layers, args.work_slots, args.checkpoint_slots, args.pairs)
+    bench_host_tier(args.layers, slots=4)
     bench_gdn(args.seqs, args.seq_len)
     bench_mamba2(args.seqs, args.seq_len)
 
