@@ -17,11 +17,11 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 from tiny_server import (
     CPU_CHAT_LAUNCH_FLAGS,
     QWEN3_TEMPLATE_PATH,
+    SERVER_ON_CPU_HOST,
     SGLangServer,
     write_chat_tokenizer,
     write_tiny_qwen3_next,
@@ -33,13 +33,7 @@ import agent_observation_masking  # noqa: E402
 import agent_reasoning_stripping  # noqa: E402
 import agent_summarization  # noqa: E402
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(
-        torch.cuda.is_available(),
-        reason="exercises the CPU-host path (TRITON_INTERPRET, torch fallbacks)",
-    ),
-]
+pytestmark = list(SERVER_ON_CPU_HOST)
 
 # Small on purpose: every prompt token is one character, and two CPU cores serve them.
 MAX_TOKENS = 4

@@ -19,7 +19,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 from prometheus_client import CollectorRegistry, generate_latest
 
 from sglang_hybrid.cache.semantic_cache import CheckpointStats
@@ -34,7 +33,7 @@ from sglang_hybrid.replay.server_backend import (
 )
 from sglang_hybrid.replay.sim import run_replay
 from sglang_hybrid.replay.trace import Request, Trace, write_trace
-from tiny_server import SGLangServer, write_tiny_qwen3_next
+from tiny_server import SERVER_ON_CPU_HOST, SGLangServer, write_tiny_qwen3_next
 
 # Room for every checkpoint the tests' runs take, so neither the server nor the simulator
 # evicts: the server's pool also holds its warm-up's and earlier tests' checkpoints, which
@@ -167,10 +166,7 @@ def test_cli_refuses_server_flags_on_other_backends(tmp_path, capsys):
 
 # ---- against the real server ----
 
-server_test = pytest.mark.slow
-needs_cpu_host = pytest.mark.skipif(
-    torch.cuda.is_available(), reason="exercises the CPU-host path (TRITON_INTERPRET, torch fallbacks)"
-)
+server_test, needs_cpu_host = SERVER_ON_CPU_HOST
 
 
 @pytest.fixture(scope="module")

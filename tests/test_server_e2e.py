@@ -20,17 +20,10 @@ import time
 
 import pytest
 import requests
-import torch
 
-from tiny_server import SGLangServer, write_tiny_qwen3_next
+from tiny_server import SERVER_ON_CPU_HOST, SGLangServer, write_tiny_qwen3_next
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(
-        torch.cuda.is_available(),
-        reason="exercises the CPU-host path (TRITON_INTERPRET, torch fallbacks)",
-    ),
-]
+pytestmark = list(SERVER_ON_CPU_HOST)
 
 NEW_TOKENS_PER_TURN = 4
 CHECKPOINT_SLOTS = 16

@@ -19,8 +19,19 @@ import time
 from pathlib import Path
 from typing import Optional, Sequence
 
+import pytest
 import requests
 import torch
+
+# The marks of a test that starts these servers: slow, and only on a host without CUDA,
+# whose code paths (TRITON_INTERPRET, the torch fallbacks) it exercises.
+SERVER_ON_CPU_HOST = (
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        torch.cuda.is_available(),
+        reason="exercises the CPU-host path (TRITON_INTERPRET, torch fallbacks)",
+    ),
+)
 
 TINY_VOCAB_SIZE = 512
 EOS_TOKEN_ID = TINY_VOCAB_SIZE - 1
