@@ -96,15 +96,19 @@ def _anchor_capture(
     else:
         detector = AnchorDetector.for_family(config.anchor_template_family)
     planner = CheckpointPlanner() if config.checkpoint_planner == "adaptive" else None
-    if config.checkpoint_eviction == "expected-saving":
-        cache.eviction_scorer = planner.eviction_score
     logger.info(
         "semantic state cache: %s checkpoints inside prefill (anchors: %s), %s eviction",
         config.checkpoint_planner,
         detector.family,
         config.checkpoint_eviction,
     )
-    return AnchorCapture(cache, detector, config.checkpoint_planner, planner)
+    return AnchorCapture(
+        cache,
+        detector,
+        config.checkpoint_planner,
+        planner,
+        evict_by_value=config.checkpoint_eviction == "expected-saving",
+    )
 
 
 def _check_supported(ctx: TreeCacheBuildContext) -> None:

@@ -102,8 +102,6 @@ class CpuHybridEngine:
             "semantic", spec, config=SemanticCacheConfig(state_checkpoint_slots=checkpoint_slots)
         )
         self.driver = SchedulerDriver(tree)
-        if planner is not None:
-            tree.cache.eviction_scorer = planner.eviction_score
         self.capture = AnchorCapture(
             tree.cache,
             detector or AnchorDetector.for_family("chatml"),

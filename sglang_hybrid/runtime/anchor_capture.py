@@ -56,8 +56,9 @@ class AnchorCapture:
     """Plans in-prefill checkpoints with ``mode`` ("adaptive", "messages" or "none") and
     stages them in ``cache``.
 
-    ``planner`` is required for "adaptive" (it also scores eviction when installed as the
-    cache's ``eviction_scorer``); the other modes take no learning. The planner keeps its
+    ``planner`` is required for "adaptive"; with ``evict_by_value`` it is also installed as
+    the cache's ``eviction_scorer`` (expected saving instead of recency). The other modes
+    take no learning. The planner keeps its
     records by checkpoint slot, so it follows the checkpoints the cache moves between tiers.
     """
 
@@ -67,6 +68,7 @@ class AnchorCapture:
         detector: AnchorDetector,
         mode: str,
         planner: Optional[CheckpointPlanner] = None,
+        evict_by_value: bool = True,
     ):
         if mode == "adaptive" and planner is None:
             raise ValueError("the adaptive checkpoint planner needs a CheckpointPlanner")
@@ -76,6 +78,8 @@ class AnchorCapture:
         self.planner = planner
         if planner is not None:
             cache.on_checkpoint_moved = planner.move_record
+            if evict_by_value:
+                cache.eviction_scorer = planner.eviction_score
         # rid -> (depth, slot) staged for it and not yet captured by a forward; a request
         # is in the dict from its first prefill forward until it leaves (``release``).
         self._uncaptured: dict[str, list[tuple[int, torch.Tensor]]] = {}

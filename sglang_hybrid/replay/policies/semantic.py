@@ -91,7 +91,6 @@ class SemanticPolicy(Policy):
         self.driver = SchedulerDriver(self.under_test)
         self.cache = self.under_test.cache
         self.planner = CheckpointPlanner()
-        self.cache.eviction_scorer = self.planner.eviction_score
         # The server's planning step (runtime/): what a server knows when it plans a prefill.
         self.capture = AnchorCapture(self.cache, self.detector, "adaptive", self.planner)
         self.kv_tokens_evicted = 0
