@@ -3,7 +3,11 @@
 Traces: the SWE-agent .traj (its recorded, already-masked prompts) and the tau-bench airline
 trajectories, append-only and under each framework edit emulator of
 `sglang_hybrid.replay.emulators.EMULATORS` (default seed and parameters, as `sglang-hybrid
-trace edit` applies them), all rendered with the Qwen3 template. Each trace is replayed once by
+trace edit` applies them), all rendered with the Qwen3 template. The compaction emulators'
+defaults (a view over 120 events; 83.5 % / 90 % of a 200k / 272k window) never fire on
+tau-bench sessions (10-60 messages, 2-7k tokens), so those traces equal the append-only one;
+the `NAME:KEY=VALUE` variants scale their thresholds to the sessions, as `trace edit --param`
+does, so each session is summarized or compacted once or more. Each trace is replayed once by
 the sim backend for every policy at every budget. The ratio is a policy's recomputed prompt
 tokens over the oracle's (a checkpoint at every position, unbounded).
 
@@ -26,7 +30,7 @@ from pathlib import Path
 from sglang_hybrid.replay.cli_trace import calls_from_trace
 from sglang_hybrid.replay.converters import RenderConfig, calls_to_trace, convert
 from sglang_hybrid.replay.cost_model import DEFAULT_PROFILE, get_profile
-from sglang_hybrid.replay.emulators import EMULATORS, make_emulator
+from sglang_hybrid.replay.emulators import EMULATORS, make_emulator, parse_emulator_params
 from sglang_hybrid.replay.sim import SWEEP_BUDGETS, simulate
 from sglang_hybrid.replay.trace import Trace, load_trace, write_trace
 
@@ -43,10 +47,17 @@ TARGET_BUDGET = 64
 TARGET_RATIO = 1.05
 SWE_AGENT = "swe-agent"
 TAU = "tau-bench"
+# Emulator parameters scaled to tau-bench sessions (see the docstring).
+SCALED = {
+    "openhands-summarize": "max_size=16",
+    "claude-code-compact": "context_tokens=3600",
+    "codex-compact": "context_tokens=3600",
+}
 
 
 def trace_names() -> list[str]:
-    return [SWE_AGENT, TAU, *(f"{TAU}+{name}" for name in EMULATORS)]
+    emulated = [*EMULATORS, *(f"{name}:{params}" for name, params in SCALED.items())]
+    return [SWE_AGENT, TAU, *(f"{TAU}+{name}" for name in emulated)]
 
 
 def _build(name: str, cache_dir: Path) -> Trace:
@@ -55,13 +66,14 @@ def _build(name: str, cache_dir: Path) -> Trace:
         return convert("swe-agent", SWE_AGENT_TRAJ, template_path=template)
     if name == TAU:
         return convert("tau-bench", TAU_BENCH, template_path=template)
-    emulator = name.removeprefix(f"{TAU}+")
+    emulator, _, assignments = name.removeprefix(f"{TAU}+").partition(":")
     if emulator not in EMULATORS:
         raise ValueError(f"unknown trace {name!r}; known: {', '.join(trace_names())}")
+    params = parse_emulator_params(emulator, assignments.split(",") if assignments else [])
     source = load_or_convert(TAU, cache_dir)
-    # What `sglang-hybrid trace edit` does with its default seed and arrival model.
+    # What `sglang-hybrid trace edit [--param ...]` does with its default seed and arrival model.
     return calls_to_trace(calls_from_trace(source), source=str(TAU_BENCH), converter="edit",
-                          emulator=make_emulator(emulator), render=RenderConfig(template))
+                          emulator=make_emulator(emulator, **params), render=RenderConfig(template))
 
 
 def load_or_convert(name: str, cache_dir: Path) -> Trace:

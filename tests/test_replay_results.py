@@ -82,3 +82,27 @@ def test_trace_convert_then_edit_cli(tmp_path):
         assert a.output_ids.tolist() == b.output_ids.tolist()
         assert len(a.input_ids) <= len(b.input_ids)
     assert sum(len(r.input_ids) for r in after.requests) < sum(len(r.input_ids) for r in before.requests)
+
+
+@pytest.mark.skipif(not TRACES.is_dir(), reason="shared trace data not present")
+def test_trace_edit_cli_overrides_emulator_parameters(tmp_path, capsys):
+    converted = tmp_path / "tau.jsonl"
+    assert convert_main(["tau-bench", str(TRACES / "tau-bench_gpt-4o-airline.json"), "--limit", "4",
+                         "--out", str(converted)]) == 0
+    prompt_tokens = {}
+    for max_size in (120, 12):
+        edited = tmp_path / f"tau-summarized-{max_size}.jsonl"
+        assert edit_main([str(converted), "--emulator", "openhands-summarize", "--param", f"max_size={max_size}",
+                          "--param", "summary_words=20", "--out", str(edited)]) == 0
+        trace = load_trace(edited)
+        assert trace.meta["emulator"]["max_size"] == max_size and trace.meta["emulator"]["summary_words"] == 20
+        prompt_tokens[max_size] = trace.prompt_tokens
+    # The default threshold never fires on these sessions; a view of 12 events is condensed.
+    assert prompt_tokens[12] < prompt_tokens[120] == load_trace(converted).prompt_tokens
+    for bad in ("max_size=many", "window=3", "max_size", "max_size=8"):
+        with pytest.raises(SystemExit) as exit_info:
+            edit_main([str(converted), "--emulator", "openhands-summarize", "--param", bad,
+                       "--out", str(tmp_path / "bad.jsonl")])
+        assert exit_info.value.code == 2
+    assert "has no parameter 'window'" in capsys.readouterr().err
+    assert not (tmp_path / "bad.jsonl").exists()

@@ -7,7 +7,7 @@ from typing import Sequence
 
 from ..anchors.tokenizers import qwen3_encoding
 from .converters import SOURCES, ArrivalModel, RenderConfig, calls_to_trace, convert
-from .emulators import EMULATORS, Call, make_emulator
+from .emulators import EMULATORS, Call, make_emulator, parse_emulator_params
 from .trace import Trace, load_trace, write_trace
 
 
@@ -66,13 +66,19 @@ def edit_main(argv: Sequence[str] | None = None) -> int:
                                                  "converted from an append-only chat, and re-render it.")
     parser.add_argument("trace", help="canonical trace with messages (.jsonl)")
     parser.add_argument("--emulator", required=True, choices=sorted(EMULATORS))
+    parser.add_argument("--param", action="append", default=[], metavar="KEY=VALUE",
+                        help="override one of the emulator's parameters (repeatable), e.g. max_size=16")
     parser.add_argument("--out", required=True)
     parser.add_argument("--template", help="Jinja chat template file (e.g. qwen3.jinja); default: our ChatML")
     _arrival_args(parser)
     args = parser.parse_args(argv)
+    try:
+        emulator = make_emulator(args.emulator, seed=args.seed, **parse_emulator_params(args.emulator, args.param))
+    except ValueError as error:
+        parser.error(str(error))
     source = load_trace(args.trace)
     trace = calls_to_trace(calls_from_trace(source), source=args.trace, converter="edit",
-                           emulator=make_emulator(args.emulator, seed=args.seed),
+                           emulator=emulator,
                            render=RenderConfig(args.template),
                            arrivals=ArrivalModel(session_gap_s=args.session_gap_s, seed=args.seed))
     trace.meta["edited_from"] = source.meta

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import datetime as dt
+import inspect
 import random
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, replace
@@ -133,6 +134,10 @@ class SummarizingCondenser(Emulator):
 
     def __init__(self, seed: int = 0, keep_first: int = 4, max_size: int = 120, summary_words: int = 200):
         super().__init__(seed)
+        if max_size // 2 - keep_first - 1 < 1:
+            # OpenHands validates the same pair: a condensed view keeps some recent events.
+            raise ValueError(f"max_size // 2 - keep_first - 1 events are kept from the tail; with "
+                             f"max_size={max_size}, keep_first={keep_first} that is none")
         self.keep_first = keep_first
         self.max_size = max_size
         self.summary_words = summary_words
@@ -360,9 +365,52 @@ EMULATORS: dict[str, type[Emulator] | tuple[type[Emulator], dict[str, Any]]] = {
 
 
 def make_emulator(name: str, seed: int = 0, **params: Any) -> Emulator:
+    """Emulator `name` with its documented defaults, overridden by `params`."""
+    cls, preset = _entry(name)
+    unknown = sorted(set(params) - set(emulator_parameters(name)))
+    if unknown:
+        raise ValueError(f"emulator {name!r} has no parameter {', '.join(unknown)}; "
+                         f"its parameters: {', '.join(emulator_parameters(name)) or 'none'}")
+    return cls(seed=seed, **preset, **params)
+
+
+def emulator_parameters(name: str) -> dict[str, Any]:
+    """The parameters `name` takes (besides its seed) and their defaults."""
+    cls, preset = _entry(name)
+    signature = inspect.signature(cls.__init__)
+    return {key: param.default for key, param in signature.parameters.items()
+            if key not in ("self", "seed") and key not in preset}
+
+
+def parse_emulator_params(name: str, assignments: Sequence[str]) -> dict[str, Any]:
+    """`KEY=VALUE` strings -> parameters of emulator `name`, each typed like its default (a
+    parameter without a default, or with None, is read as an int, else a float, else text)."""
+    defaults = emulator_parameters(name)
+    params: dict[str, Any] = {}
+    for assignment in assignments:
+        key, sep, text = assignment.partition("=")
+        if not sep or not key:
+            raise ValueError(f"emulator parameter {assignment!r} is not KEY=VALUE")
+        if key not in defaults:
+            raise ValueError(f"emulator {name!r} has no parameter {key!r}; "
+                             f"its parameters: {', '.join(defaults) or 'none'}")
+        params[key] = _typed_like(defaults[key], key, text)
+    return params
+
+
+def _typed_like(default: Any, key: str, text: str) -> Any:
+    kinds = [type(default)] if isinstance(default, (int, float, str)) else [int, float, str]
+    for kind in kinds:
+        try:
+            return kind(text)
+        except ValueError:
+            continue
+    raise ValueError(f"emulator parameter {key}={text!r} is not a {kinds[0].__name__}")
+
+
+def _entry(name: str) -> tuple[type[Emulator], dict[str, Any]]:
     try:
         entry = EMULATORS[name]
     except KeyError:
         raise ValueError(f"unknown emulator {name!r}; known: {', '.join(EMULATORS)}") from None
-    cls, preset = entry if isinstance(entry, tuple) else (entry, {})
-    return cls(seed=seed, **preset, **params)
+    return entry if isinstance(entry, tuple) else (entry, {})
