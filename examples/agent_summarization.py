@@ -38,14 +38,12 @@ def main(argv: Optional[list[str]] = None) -> list[CallRecord]:
     args = parser.parse_args(argv)
     if args.keep_first < 1:
         parser.error(f"--keep-first must be >= 1, got {args.keep_first}")
-    if args.max_events < 2 * (args.keep_first + 1):
-        parser.error(
-            f"--max-events must be >= 2 * (keep_first + 1) = {2 * (args.keep_first + 1)}, "
-            f"got {args.max_events}: the condensed view would keep fewer than zero recent messages"
+    try:
+        condenser = SummarizingCondenser(
+            keep_first=args.keep_first, max_size=args.max_events, summary_words=args.summary_words
         )
-    condenser = SummarizingCondenser(
-        keep_first=args.keep_first, max_size=args.max_events, summary_words=args.summary_words
-    )
+    except ValueError as error:
+        parser.error(str(error))
     return run_agent(
         args.url, [INVESTIGATION], emulator_edit(condenser), turns=args.turns, max_tokens=args.max_tokens
     )

@@ -45,11 +45,11 @@ RUNS = {
     # Query 1 takes calls 1-2 (a tool call, the answer); query 2 starts at call 3, which
     # drops the reasoning of calls 1-2.
     "reasoning": (agent_reasoning_stripping, ["--turns", "4"]),
-    # max-events 6: call 4 sees 8 messages and summarizes all but the first two; call 5
-    # appends to the summary.
+    # max-events 8: call 5 sees 10 messages and summarizes all but the first two and the
+    # last one (8 // 2 - 2 - 1); call 6 appends to the summary.
     "summarization": (
         agent_summarization,
-        ["--turns", "5", "--keep-first", "2", "--max-events", "6", "--summary-words", "12"],
+        ["--turns", "6", "--keep-first", "2", "--max-events", "8", "--summary-words", "12"],
     ),
 }
 
@@ -179,14 +179,15 @@ def test_summary_replaces_the_middle_of_the_history(runs):
         "first call",
         "appended",
         "appended",
+        "appended",
         "edited from prompt message 2 (assistant)",  # summary after system and task
         "appended",
     ]
-    assert [m["role"] for m in records[3].messages] == ["system", "user", "user"]
-    assert records[3].messages[2]["content"].startswith("Summary of earlier events:")
+    assert [m["role"] for m in records[4].messages] == ["system", "user", "user", "tool"]
+    assert records[4].messages[2]["content"].startswith("Summary of earlier events:")
     depths = [checkpointed_depth(records, index) for index in range(len(records))]
-    assert all(depths[index] > 0 for index in (1, 2, 4))
-    assert depths[3] == 0
+    assert all(depths[index] > 0 for index in (1, 2, 3, 5))
+    assert depths[4] == 0
 
 
 @pytest.mark.skipif(not QWEN3_TEMPLATE_PATH.exists(), reason="../shared/data not present")
