@@ -15,7 +15,6 @@ import sys
 import textwrap
 
 import numpy as np
-import pytest
 from sglang_hybrid.anchors.detector import AnchorDetector
 from sglang_hybrid.anchors.hints import validate_hints
 from sglang_hybrid.anchors.planner import CheckpointPlanner, Purpose, RequestContext
@@ -275,27 +274,6 @@ def test_hints():
     plan, _ = store.serve("u", third_prompt, third_output, hint=validate_hints("messages", len(third_prompt), 8))
     starts = DETECTOR.detect(third_prompt).of_kind(1).tolist()  # AnchorKind.MESSAGE_START
     assert set(d for d in starts if 0 < d < len(third_prompt)) <= set(plan.depths)
-
-
-def test_evicting_a_shared_message_start_passes_its_worth_to_the_next_one_up():
-    """A follower leaving the path above an evicted message start restores from the next
-    one below it: the message start above it now saves the evicted one's span as well, so a
-    budget thins a request's message starts out instead of emptying one request."""
-    system, task = message("system", text(1, 40)), message("user", text(2, 20))
-    turns = [message("assistant", text(10, 8)), message("tool", text(11, 30)),
-             message("assistant", text(12, 8)), message("tool", text(13, 30))]
-    planner = CheckpointPlanner()
-    store = PrefixStore(planner)
-    store.serve("trial-0", *request([system, task, *turns], text(14, 8)))
-    shared = sorted((record.depth, slot) for slot, record in planner.records.items()
-                    if record.purpose is Purpose.SHARED_PATH)
-    assert len(shared) >= 3
-    (low, _), (middle, middle_slot), (high, high_slot) = shared[-3:]
-    before = planner.eviction_score(high_slot, high)
-    assert before > 0.0
-    planner.forget_slots([middle_slot])
-    after = planner.eviction_score(high_slot, high)
-    assert after == pytest.approx(before * (high - low) / (high - middle))
 
 
 def test_full_pool_admits_only_checkpoints_worth_more_than_the_least_valuable_held():

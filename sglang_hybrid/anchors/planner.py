@@ -24,11 +24,9 @@ kinds of points are reached again:
 
 Budget: one value function, *expected recomputed tokens saved* = P(the next request that can
 use it does) x (depth - the session's shared base) -- for checkpoints that serve other sessions,
-their use rate x what they save over the checkpoint still held before them on their request's
-path, so evicting a message start raises the worth of the next one up -- ranks candidates for
-admission and held checkpoints for eviction (installed as the cache's ``eviction_scorer``), so
-a flood of message-start checkpoints never pushes out the continuation states the next turns
-need.
+their use rate x what they save over the shared checkpoint before them -- ranks candidates for admission and held
+checkpoints for eviction (installed as the cache's ``eviction_scorer``), so a flood of
+message-start checkpoints never pushes out the continuation states the next turns need.
 
 Every decision is a deterministic function of the request stream: the clock is the number of
 requests planned, no randomness, no wall time, and no iteration over hash-ordered containers,
@@ -37,7 +35,7 @@ so tensor-parallel ranks running their own planner agree.
 
 from __future__ import annotations
 
-from bisect import bisect_left, bisect_right, insort
+from bisect import bisect_right
 from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Iterable, Optional, Sequence
@@ -260,11 +258,9 @@ class _Record:
     purpose: Purpose
     created: int
     uses: int = 0
-    # BRANCH: tokens a restore from it saves over the checkpoint held before it at its taking.
+    # SHARED_PATH: tokens a request leaving the path in this message restores over the
+    # message start before it.
     span: int = 0
-    # The depth its request restored from: what a restore on its path falls back to when the
-    # request's own checkpoints below it are gone.
-    floor: int = 0
 
 
 @dataclass
@@ -283,9 +279,8 @@ class _Session:
     # Depth -> P(the next request's edit restores from a checkpoint at that depth).
     predictions: dict[int, float] = field(default_factory=dict)
     model: Optional[_EditModel] = None
-    # Depth -> span of the shared checkpoints of the latest plan, until recorded.
+    # Depth -> span of the SHARED_PATH checkpoints of the latest plan, until recorded.
     planned_spans: dict[int, int] = field(default_factory=dict)
-    planned_floor: int = 0
 
 
 class CheckpointPlanner:
@@ -324,8 +319,6 @@ class CheckpointPlanner:
         # the stream's sessions follow each other's new content.
         self.shared_taken = 0
         self.shared_uses = 0
-        # (session, clock) -> depths of the checkpoints held that its request at that clock took.
-        self._request_depths: dict[tuple[str, int], list[int]] = {}
 
     # ---- planning ----
 
@@ -417,7 +410,6 @@ class CheckpointPlanner:
             if depth < prompt_len - 1:
                 propose(depth, Purpose.PREDICTED_EDIT)
         session.planned_spans = {}
-        session.planned_floor = lowest
         branch = self._branch_depth(ctx, prompt_len, own_prefix)
         if branch is not None and branch not in candidates:
             propose(branch, Purpose.BRANCH)
@@ -492,9 +484,8 @@ class CheckpointPlanner:
         if owner is None:
             raise KeyError(f"session {session!r} was never planned")
         self._drop_record(slot)
-        span = owner.planned_spans.get(depth, depth) if purpose is Purpose.BRANCH else 0
-        self.records[slot] = _Record(session, depth, purpose, self.clock, span=span, floor=owner.planned_floor)
-        insort(self._request_depths.setdefault((session, self.clock), []), depth)
+        span = owner.planned_spans.get(depth, depth) if purpose in _SHARED else 0
+        self.records[slot] = _Record(session, depth, purpose, self.clock, span=span)
         if purpose is Purpose.SHARED_PATH:
             self.shared_taken += 1
         owner.on_path[slot] = depth
@@ -525,11 +516,6 @@ class CheckpointPlanner:
         record = self.records.pop(slot, None)
         if record is None:
             return
-        key = (record.session, record.created)
-        depths = self._request_depths[key]
-        depths.remove(record.depth)
-        if not depths:
-            del self._request_depths[key]
         session = self.sessions[record.session]
         session.on_path.pop(slot, None)
         if session.continuation_slot == slot:
@@ -549,16 +535,7 @@ class CheckpointPlanner:
 
     def _record_value(self, slot: int, record: _Record) -> float:
         session = self.sessions[record.session]
-        span = record.span
-        if record.purpose is Purpose.SHARED_PATH:
-            # A follower leaving the path above it restores from it rather than from the
-            # deepest checkpoint of its request still held below it. Evicting a message start
-            # raises the worth of the next one up, so a budget thins a request's message
-            # starts out evenly instead of dropping them all.
-            depths = self._request_depths[(record.session, record.created)]
-            below = bisect_left(depths, record.depth)
-            span = record.depth - max(record.floor, depths[below - 1] if below else 0)
-        return self._value(session, record.depth, record.purpose, slot, record.created, record.uses, span)
+        return self._value(session, record.depth, record.purpose, slot, record.created, record.uses, record.span)
 
     def _value(
         self, session: _Session, depth: int, purpose: Purpose, slot: Optional[int], created: int, uses: int,
