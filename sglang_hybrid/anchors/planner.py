@@ -24,9 +24,10 @@ kinds of points are reached again:
 
 Budget: one value function, *expected recomputed tokens saved* = P(the next request that can
 use it does) x (depth - the session's shared base) -- for checkpoints that serve other sessions,
-their use rate x what they save over the shared checkpoint before them -- ranks candidates for admission and held
-checkpoints for eviction (installed as the cache's ``eviction_scorer``), so a flood of
-message-start checkpoints never pushes out the continuation states the next turns need.
+their use rate x what they save over the shared checkpoint before them -- ranks candidates for
+admission and held checkpoints for eviction (installed as the cache's ``eviction_scorer``), so
+a flood of message-start checkpoints never pushes out the continuation states the next turns
+need.
 
 Every decision is a deterministic function of the request stream: the clock is the number of
 requests planned, no randomness, no wall time, and no iteration over hash-ordered containers,
@@ -258,8 +259,8 @@ class _Record:
     purpose: Purpose
     created: int
     uses: int = 0
-    # SHARED_PATH: tokens a request leaving the path in this message restores over the
-    # message start before it.
+    # BRANCH, SHARED_PATH: tokens a restore from it saves over the shared checkpoint before it
+    # (for a message start, the one of the message before).
     span: int = 0
 
 

@@ -367,10 +367,11 @@ EMULATORS: dict[str, type[Emulator] | tuple[type[Emulator], dict[str, Any]]] = {
 def make_emulator(name: str, seed: int = 0, **params: Any) -> Emulator:
     """Emulator `name` with its documented defaults, overridden by `params`."""
     cls, preset = _entry(name)
-    unknown = sorted(set(params) - set(emulator_parameters(name)))
+    known = emulator_parameters(name)
+    unknown = sorted(set(params) - set(known))
     if unknown:
-        raise ValueError(f"emulator {name!r} has no parameter {', '.join(unknown)}; "
-                         f"its parameters: {', '.join(emulator_parameters(name)) or 'none'}")
+        raise ValueError(f"emulator {name!r} has no parameter {', '.join(map(repr, unknown))}; "
+                         f"its parameters: {', '.join(known) or 'none'}")
     return cls(seed=seed, **preset, **params)
 
 
@@ -384,17 +385,15 @@ def emulator_parameters(name: str) -> dict[str, Any]:
 
 def parse_emulator_params(name: str, assignments: Sequence[str]) -> dict[str, Any]:
     """`KEY=VALUE` strings -> parameters of emulator `name`, each typed like its default (a
-    parameter without a default, or with None, is read as an int, else a float, else text)."""
+    parameter without a default, or with None, is read as an int, else a float, else text).
+    A key the emulator does not take is kept as text, for ``make_emulator`` to reject."""
     defaults = emulator_parameters(name)
     params: dict[str, Any] = {}
     for assignment in assignments:
         key, sep, text = assignment.partition("=")
         if not sep or not key:
             raise ValueError(f"emulator parameter {assignment!r} is not KEY=VALUE")
-        if key not in defaults:
-            raise ValueError(f"emulator {name!r} has no parameter {key!r}; "
-                             f"its parameters: {', '.join(defaults) or 'none'}")
-        params[key] = _typed_like(defaults[key], key, text)
+        params[key] = _typed_like(defaults[key], key, text) if key in defaults else text
     return params
 
 
@@ -405,7 +404,7 @@ def _typed_like(default: Any, key: str, text: str) -> Any:
             return kind(text)
         except ValueError:
             continue
-    raise ValueError(f"emulator parameter {key}={text!r} is not a {kinds[0].__name__}")
+    raise ValueError(f"emulator parameter {key}={text!r} is not of type {kinds[0].__name__}")
 
 
 def _entry(name: str) -> tuple[type[Emulator], dict[str, Any]]:

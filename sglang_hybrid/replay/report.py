@@ -11,7 +11,6 @@ import numpy as np
 from .cost_model import CostProfile, MIB
 
 
-
 def distribution(values) -> Optional[dict[str, float]]:
     """Mean and p50/p95/p99 of ``values``, as results.json reports a time; None without samples."""
     samples = np.asarray(values, dtype=np.float64)
@@ -23,6 +22,7 @@ def distribution(values) -> Optional[dict[str, float]]:
         "p95": float(np.percentile(samples, 95)),
         "p99": float(np.percentile(samples, 99)),
     }
+
 
 def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.1f}"

@@ -58,8 +58,8 @@ class AnchorCapture:
 
     ``planner`` is required for "adaptive"; with ``evict_by_value`` it is also installed as
     the cache's ``eviction_scorer`` (expected saving instead of recency). The other modes
-    take no learning. The planner keeps its
-    records by checkpoint slot, so it follows the checkpoints the cache moves between tiers.
+    take no learning. The planner keeps its records by checkpoint slot, so it follows the
+    checkpoints the cache moves between tiers.
     """
 
     def __init__(
