@@ -197,6 +197,9 @@ def test_sessions_sharing_a_system_prompt_restore_at_the_message_start():
     # a computes its user message first: its start is a shared-path checkpoint, for sessions
     # that follow a's path and leave it inside that message.
     assert (len(system), Purpose.SHARED_PATH) in [(c.depth, c.purpose) for c in plan.checkpoints]
+    # The generation prompt's start opens the message a generates, not one of the prompt: a
+    # session sharing a's whole prompt restores from the prompt tail, two tokens deeper.
+    assert len(first[0]) - len(GENERATION_PROMPT) not in plan.depths
     plan, restored = store.serve("b", *second)
     assert restored == len(system)
     # b shares one token of its user message with a: it branches there, past the message start.

@@ -418,8 +418,11 @@ class CheckpointPlanner:
         # Content this request computes first may be followed by other sessions (trials of one
         # task, forks of a conversation) that leave it somewhere later: a checkpoint at each
         # new message start bounds what such a request recomputes to the message it leaves in.
+        # Only messages complete in the prompt: the last start opens the generation prompt,
+        # whose content is the output, and a request that shares the prompt up to there
+        # restores from the prompt tail.
         starts = ctx.anchors.of_kind(AnchorKind.MESSAGE_START).tolist()
-        for previous, depth in zip(starts, starts[1:]):
+        for previous, depth in zip(starts, starts[1:-1]):
             if depth > max(lowest, ctx.tree_lcp) and depth < prompt_len - 1 and depth not in candidates:
                 propose(depth, Purpose.SHARED_PATH)
                 session.planned_spans[depth] = depth - max(previous, lowest)
