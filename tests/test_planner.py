@@ -72,9 +72,11 @@ class PrefixStore:
     """The tree as the planner sees it: KV of every earlier prompt + output[:-1], and the
     checkpoints taken (as the token prefixes they hold)."""
 
-    def __init__(self, planner: CheckpointPlanner, budget: int = 1 << 20):
+    def __init__(self, planner: CheckpointPlanner, budget: int = 1 << 20, evict: bool = False):
         self.planner = planner
         self.budget = budget
+        self.evict = evict  # hold at most ``budget`` checkpoints, else only plan for it
+        self._next_slot = 0
         self.sequences: list[np.ndarray] = []
         self.checkpoints: dict[int, tuple[int, ...]] = {}  # slot -> tokens the state consumed
 
@@ -103,7 +105,13 @@ class PrefixStore:
         tokens = tuple(sequence[:depth].tolist())
         if tokens in self.checkpoints.values():
             return
-        slot = len(self.checkpoints)
+        if self.evict and len(self.checkpoints) >= self.budget:
+            # As the cache does: the checkpoint the planner values least makes room.
+            victim = min(self.checkpoints, key=lambda s: self.planner.eviction_score(s, len(self.checkpoints[s])))
+            del self.checkpoints[victim]
+            self.planner.forget_slots([victim])
+        slot = self._next_slot
+        self._next_slot += 1
         self.checkpoints[slot] = tokens
         self.planner.record_checkpoint(slot, session, depth, purpose)
 
@@ -261,6 +269,50 @@ def test_a_session_following_another_restores_at_the_message_it_leaves_in():
     branch_message = sum(len(m) for m in [system, task, *shared])
     assert restored == branch_message
     assert all(c.depth > branch_message for c in plan.checkpoints)
+
+
+def recent_window_session(steps: int, tag: int, keep: int = 4) -> list[tuple[np.ndarray, np.ndarray]]:
+    """OpenHands' recent-events window: the system prompt and the last ``keep`` messages. The
+    system prompt is every session's; the rest is the session's own (``tag``)."""
+    system = message("system", text(1, 40))
+    history = [message("user", text(tag, 20))]
+    calls = []
+    for step in range(steps):
+        calls.append(request([system, *history[-keep:]], text(tag + 50 + step, 8)))
+        history += [message("assistant", text(tag + 50 + step, 8)), message("tool", text(tag + 100 + step, 30))]
+    return calls
+
+
+def test_a_trial_parting_from_another_restores_where_their_windows_part():
+    """Trials of one task under a recent-events window: the second repeats the first one
+    step behind it until its answer at step 4 differs. Its next windows open with messages
+    the two share, up to that answer: each restores the first trial's checkpoint at the end
+    of the last shared message, in the first trial's window of the same step, though other
+    sessions fill the pool and no request of the first trial's own needs it."""
+    steps, keep, parted_at = 8, 6, 4
+    leader_calls = recent_window_session(steps, tag=10_000, keep=keep)
+    system = message("system", text(1, 40))
+    history = [message("user", text(10_000, 20))]
+    follower_calls = []
+    for step in range(steps):
+        follower_calls.append(request([system, *history[-keep:]], text(10_050 + step, 8)))
+        own = 30_000 if step >= parted_at else 10_000  # its own answers and results from here
+        history += [message("assistant", text(own + 50 + step, 8)), message("tool", text(own + 100 + step, 30))]
+    store = PrefixStore(CheckpointPlanner(), budget=6, evict=True)
+    others = {f"other-{i}": recent_window_session(steps, tag=20_000 + 1000 * i, keep=keep) for i in range(3)}
+    parted = []
+    for step in range(steps):
+        if step >= 1:
+            prompt, output = follower_calls[step - 1]
+            _, restored = store.serve("trial-1", prompt, output)
+            shared = divergence(prompt, leader_calls[step - 1][0])
+            starts = DETECTOR.detect(prompt).of_kind(1)  # AnchorKind.MESSAGE_START
+            if parted_at < step - 1 and shared < len(prompt) - 1 and shared > starts[1]:
+                parted.append(restored == int(starts[starts <= shared].max()))
+        store.serve("trial-0", *leader_calls[step])
+        for name, calls in others.items():
+            store.serve(name, *calls[step])
+    assert parted == [True, True], parted
 
 
 def test_hints():

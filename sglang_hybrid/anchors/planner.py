@@ -20,7 +20,14 @@ kinds of points are reached again:
 * branch points, where a request leaves a path other requests share (a system prompt common to
   all sessions): a checkpoint at the shared anchor there serves every later session;
 * shared paths: the message starts of content a request computes first, for other sessions
-  that follow it (trials of one task, forked conversations) and leave it in some message.
+  that follow it (trials of one task, forked conversations) and leave it in some message;
+* where a session following another parts from it: trials of one task, run one after
+  another, send the same prompts until their outputs differ. The planner remembers which
+  request first sent each prompt prefix ending at a message start, so a request that repeats
+  another session's prompt (whole, or up to a message start) names the session it follows.
+  Its next request shares the leader's next prompt up to the end of the last message the two
+  share, or of one more: the leader's shared-path checkpoints there are worth what the
+  follower will restore from them, at the rate followers were seen to part so.
 
 Budget: one value function, *expected recomputed tokens saved* = P(the next request that can
 use it does) x (depth - the session's shared base) -- for checkpoints that serve other sessions,
@@ -36,7 +43,9 @@ so tensor-parallel ranks running their own planner agree.
 
 from __future__ import annotations
 
+import hashlib
 from bisect import bisect_right
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Iterable, Optional, Sequence
@@ -50,6 +59,9 @@ from sglang_hybrid.anchors.hints import HintMode, ValidatedHint
 # How many of a session's own requests the stream-wide statistics (edit rate, edit rule) weigh
 # as, before the session has shown its own.
 PRIOR_EDITS = 2
+# Prompt prefixes (at message starts) whose first producer the planner remembers, to tell which
+# session a request follows; the oldest are forgotten first.
+MAX_REMEMBERED_PREFIXES = 1 << 16
 
 
 class Purpose(IntEnum):
@@ -262,6 +274,22 @@ class _Record:
     # BRANCH, SHARED_PATH: tokens a restore from it saves over the shared checkpoint before it
     # (for a message start, the one of the message before).
     span: int = 0
+    # SHARED_PATH: digest of the message that ends at the checkpoint.
+    message: bytes = b""
+
+
+@dataclass
+class _Follow:
+    """A session whose latest prompt repeats another's: trials of one task, run one after
+    another, replay the same conversation until their outputs differ."""
+
+    leader: str
+    lead_clock: int  # the leader's request whose prompt it repeated (wholly or in part)
+    whole: bool  # the whole prompt, or up to a message start
+    # Digest of the last message the two share: the leader's later prompts hold it too (a
+    # sliding window moves it, not away), and the follower's next prompt leaves the leader's
+    # at its end if their next messages differ.
+    message: bytes
 
 
 @dataclass
@@ -282,6 +310,10 @@ class _Session:
     model: Optional[_EditModel] = None
     # Depth -> span of the SHARED_PATH checkpoints of the latest plan, until recorded.
     planned_spans: dict[int, int] = field(default_factory=dict)
+    # Depth -> digest of the message ending there, for the latest plan's message starts.
+    planned_messages: dict[int, bytes] = field(default_factory=dict)
+    following: Optional[_Follow] = None
+    followers: dict[str, _Follow] = field(default_factory=dict)
 
 
 class CheckpointPlanner:
@@ -320,6 +352,13 @@ class CheckpointPlanner:
         # the stream's sessions follow each other's new content.
         self.shared_taken = 0
         self.shared_uses = 0
+        # Digest of a prompt prefix ending at a message start (or of a whole prompt) -> the
+        # session and clock of the request that sent it first.
+        self._prefix_producers: OrderedDict[bytes, tuple[str, int]] = OrderedDict()
+        # Whether a follower had repeated its leader's whole prompt -> its next requests seen,
+        # and of those, the ones that left the same leader's prompt at a message start.
+        self.follow_seen = {True: 0, False: 0}
+        self.follow_parted = {True: 0, False: 0}
 
     # ---- planning ----
 
@@ -341,6 +380,7 @@ class CheckpointPlanner:
         # The previous continuation state was just consumed (or bypassed by an edit); the one
         # this request leaves replaces it once recorded.
         session.continuation_slot = None
+        self._follow(ctx, session)
 
         index = _AnchorIndex(ctx.anchors, prompt_len)
         if session.model is not None:
@@ -359,6 +399,63 @@ class CheckpointPlanner:
 
         candidates = self._candidates(ctx, session, prompt_len, own_prefix)
         return CheckpointPlan(self._admit(candidates, ctx))
+
+    def _follow(self, ctx: RequestContext, session: _Session) -> None:
+        """Find the session whose earlier prompt this one repeats beyond its first message (a
+        system prompt many sessions share): the one that first sent the deepest prefix
+        ending at a message start, or the whole prompt. Learn how the previous prompt's
+        follow state went on, and remember this prompt's prefixes."""
+        prompt_len = int(ctx.prompt_ids.shape[0])
+        starts = [int(d) for d in ctx.anchors.of_kind(AnchorKind.MESSAGE_START).tolist() if 0 < d < prompt_len]
+        boundaries = [*starts, prompt_len]
+        digests, session.planned_messages = self._prefix_digests(ctx.prompt_ids, boundaries)
+
+        follow = None
+        matched = 0
+        while matched < len(digests) and digests[matched] in self._prefix_producers:
+            matched += 1
+        if matched >= 2:
+            leader, lead_clock = self._prefix_producers[digests[matched - 1]]
+            whole = matched == len(digests)
+            last_shared = starts[-1] if whole else boundaries[matched - 1]
+            if leader != ctx.session:
+                follow = _Follow(leader, lead_clock, whole, session.planned_messages[last_shared])
+
+        before = session.following
+        if before is not None:
+            self.follow_seen[before.whole] += 1
+            if follow is not None and follow.leader == before.leader and not follow.whole:
+                self.follow_parted[before.whole] += 1
+            self.sessions[before.leader].followers.pop(ctx.session, None)
+        session.following = follow
+        if follow is not None:
+            self.sessions[follow.leader].followers[ctx.session] = follow
+        self._remember_prefixes(digests, ctx.session)
+
+    @staticmethod
+    def _prefix_digests(prompt: np.ndarray, boundaries: list[int]) -> tuple[list[bytes], dict[int, bytes]]:
+        """Digests of the prompt's prefixes ending at ``boundaries``, and depth -> digest of
+        the message ending there (for each boundary but the prompt's end)."""
+        prefix = hashlib.blake2b(digest_size=16)
+        digests, messages = [], {}
+        previous = 0
+        for depth in boundaries:
+            chunk = prompt[previous:depth].tobytes()
+            prefix.update(chunk)
+            digests.append(prefix.digest())
+            if depth < prompt.shape[0]:
+                messages[depth] = hashlib.blake2b(chunk, digest_size=16).digest()
+            previous = depth
+        return digests, messages
+
+    def _remember_prefixes(self, digests: list[bytes], session: str) -> None:
+        for digest in digests:
+            if digest in self._prefix_producers:
+                self._prefix_producers.move_to_end(digest)
+            else:
+                self._prefix_producers[digest] = (session, self.clock)
+        while len(self._prefix_producers) > MAX_REMEMBERED_PREFIXES:
+            self._prefix_producers.popitem(last=False)
 
     def _learn_transition(self, session: _Session, prompt: np.ndarray) -> int:
         """Learn from how this prompt continues the session's previous request; return the
@@ -445,15 +542,13 @@ class CheckpointPlanner:
         return shared
 
     def _admit(self, candidates: list[tuple[int, Purpose]], ctx: RequestContext) -> tuple[PlannedCheckpoint, ...]:
-        session = self.sessions[ctx.session]
         valued = [
-            PlannedCheckpoint(depth, purpose, self._value(session, depth, purpose, None, self.clock, 0,
-                                                          session.planned_spans.get(depth, 0)))
+            PlannedCheckpoint(depth, purpose, self._value(self._new_record(ctx.session, depth, purpose), None))
             for depth, purpose in candidates
         ]
         free = ctx.free_slots
         held_values = sorted(
-            self._record_value(slot, record) for slot, record in self.records.items()
+            self._value(record, slot) for slot, record in self.records.items()
         )
         admitted = []
         # Most valuable first: each admission without a free slot displaces the least valuable
@@ -488,13 +583,19 @@ class CheckpointPlanner:
         if owner is None:
             raise KeyError(f"session {session!r} was never planned")
         self._drop_record(slot)
-        span = owner.planned_spans.get(depth, depth) if purpose in _SHARED else 0
-        self.records[slot] = _Record(session, depth, purpose, self.clock, span=span)
+        self.records[slot] = self._new_record(session, depth, purpose)
         if purpose is Purpose.SHARED_PATH:
             self.shared_taken += 1
         owner.on_path[slot] = depth
         if purpose is Purpose.CONTINUATION:
             owner.continuation_slot = slot
+
+    def _new_record(self, session: str, depth: int, purpose: Purpose) -> _Record:
+        """The record of a checkpoint ``session``'s latest request takes (or would take)."""
+        owner = self.sessions[session]
+        span = owner.planned_spans.get(depth, depth) if purpose in _SHARED else 0
+        message = owner.planned_messages.get(depth, b"") if purpose is Purpose.SHARED_PATH else b""
+        return _Record(session, depth, purpose, self.clock, span=span, message=message)
 
     def move_record(self, old_slot: int, new_slot: int) -> None:
         """The checkpoint held in ``old_slot`` now sits in ``new_slot`` (the cache moved it
@@ -535,29 +636,25 @@ class CheckpointPlanner:
         record = self.records.get(slot)
         if record is None or record.depth != depth:
             return 0.0
-        return self._record_value(slot, record)
+        return self._value(record, slot)
 
-    def _record_value(self, slot: int, record: _Record) -> float:
+    def _value(self, record: _Record, slot: Optional[int]) -> float:
+        """Expected recomputed tokens saved by ``record``'s checkpoint: held in ``slot``, or a
+        candidate when ``slot`` is None."""
         session = self.sessions[record.session]
-        return self._value(session, record.depth, record.purpose, slot, record.created, record.uses, record.span)
-
-    def _value(
-        self, session: _Session, depth: int, purpose: Purpose, slot: Optional[int], created: int, uses: int,
-        span: int,
-    ) -> float:
-        """Expected recomputed tokens saved by a checkpoint of ``session`` at ``depth``: held in
-        ``slot``, or a candidate when ``slot`` is None."""
+        depth, purpose, created = record.depth, record.purpose, record.created
         gap = self._mean_gap(session)
+        followed = self._followed_value(session, record)
         if purpose in _SHARED:
             # Serves other sessions: worth its span (what a restore from it saves over the
             # shared checkpoint before it) per use, at the rate it has been used since it was
             # taken. A branch point has been passed by two sessions already: its taking counts
             # as one use; a shared-path message start, as the fraction of those that are used.
             prior = 1.0 if purpose is Purpose.BRANCH else (self.shared_uses + 1) / (self.shared_taken + 2)
-            rate = (uses + prior) / (self.clock - created + gap)
-            return span * min(1.0, rate * gap)
+            rate = (record.uses + prior) / (self.clock - created + gap)
+            return record.span * min(1.0, rate * gap) + followed
         if slot is not None and slot not in session.on_path:
-            return 0.0
+            return followed
         edit = self._edit_probability(session)
         probability = self._edit_credit(session, depth, slot)
         if slot is not None and slot == session.continuation_slot:
@@ -566,8 +663,23 @@ class CheckpointPlanner:
             # The client says an edit will land here: trust it as much as the session's edits.
             probability = max(probability, edit)
         if probability <= 0.0:
+            return followed
+        return probability * self._alive(session, gap) * max(depth - session.base_depth, 1) + followed
+
+    def _followed_value(self, session: _Session, record: _Record) -> float:
+        """What ``session``'s shared-path checkpoint is expected to save the sessions following
+        it: one that ends the last message a follower shares with it, taken after the request
+        the follower repeated, is where the follower's next prompt leaves the leader's if
+        their next messages differ (as often as followers in that state were seen to)."""
+        if record.purpose is not Purpose.SHARED_PATH or not session.followers:
             return 0.0
-        return probability * self._alive(session, gap) * max(depth - session.base_depth, 1)
+        probability = 0.0
+        for name, follow in session.followers.items():
+            if record.created > follow.lead_clock and record.message == follow.message:
+                follower = self.sessions[name]
+                parted = (self.follow_parted[follow.whole] + 1) / (self.follow_seen[follow.whole] + 2)
+                probability += parted * self._alive(follower, self._mean_gap(follower))
+        return min(probability, 1.0) * max(record.depth - session.base_depth, 1)
 
     @staticmethod
     def _edit_credit(session: _Session, depth: int, slot: Optional[int]) -> float:
