@@ -642,9 +642,13 @@ class CheckpointPlanner:
         """Expected recomputed tokens saved by ``record``'s checkpoint: held in ``slot``, or a
         candidate when ``slot`` is None."""
         session = self.sessions[record.session]
+        return self._own_value(session, record, slot) + self._followed_value(session, record)
+
+    def _own_value(self, session: _Session, record: _Record, slot: Optional[int]) -> float:
+        """What the checkpoint saves the requests it was taken for: its session's next ones,
+        or for a shared one, any session's."""
         depth, purpose, created = record.depth, record.purpose, record.created
         gap = self._mean_gap(session)
-        followed = self._followed_value(session, record)
         if purpose in _SHARED:
             # Serves other sessions: worth its span (what a restore from it saves over the
             # shared checkpoint before it) per use, at the rate it has been used since it was
@@ -652,9 +656,9 @@ class CheckpointPlanner:
             # as one use; a shared-path message start, as the fraction of those that are used.
             prior = 1.0 if purpose is Purpose.BRANCH else (self.shared_uses + 1) / (self.shared_taken + 2)
             rate = (record.uses + prior) / (self.clock - created + gap)
-            return record.span * min(1.0, rate * gap) + followed
+            return record.span * min(1.0, rate * gap)
         if slot is not None and slot not in session.on_path:
-            return followed
+            return 0.0
         edit = self._edit_probability(session)
         probability = self._edit_credit(session, depth, slot)
         if slot is not None and slot == session.continuation_slot:
@@ -663,8 +667,8 @@ class CheckpointPlanner:
             # The client says an edit will land here: trust it as much as the session's edits.
             probability = max(probability, edit)
         if probability <= 0.0:
-            return followed
-        return probability * self._alive(session, gap) * max(depth - session.base_depth, 1) + followed
+            return 0.0
+        return probability * self._alive(session, gap) * max(depth - session.base_depth, 1)
 
     def _followed_value(self, session: _Session, record: _Record) -> float:
         """What ``session``'s shared-path checkpoint is expected to save the sessions following
