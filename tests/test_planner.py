@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from typing import Optional
 
 import numpy as np
 from sglang_hybrid.anchors.detector import AnchorDetector
@@ -271,15 +272,21 @@ def test_a_session_following_another_restores_at_the_message_it_leaves_in():
     assert all(c.depth > branch_message for c in plan.checkpoints)
 
 
-def recent_window_session(steps: int, tag: int, keep: int = 4) -> list[tuple[np.ndarray, np.ndarray]]:
+def recent_window_session(
+    steps: int, tag: int, keep: int = 4, parted_at: Optional[int] = None, parted_tag: int = 0
+) -> list[tuple[np.ndarray, np.ndarray]]:
     """OpenHands' recent-events window: the system prompt and the last ``keep`` messages. The
-    system prompt is every session's; the rest is the session's own (``tag``)."""
+    system prompt is every session's; the rest is the session's own (``tag``). From step
+    ``parted_at`` on, the answers and tool results are ``parted_tag``'s: a trial of ``tag``'s
+    task whose answer there differs."""
     system = message("system", text(1, 40))
     history = [message("user", text(tag, 20))]
     calls = []
     for step in range(steps):
-        calls.append(request([system, *history[-keep:]], text(tag + 50 + step, 8)))
-        history += [message("assistant", text(tag + 50 + step, 8)), message("tool", text(tag + 100 + step, 30))]
+        own = parted_tag if parted_at is not None and step >= parted_at else tag
+        answer = text(own + 50 + step, 8)
+        calls.append(request([system, *history[-keep:]], answer))
+        history += [message("assistant", answer), message("tool", text(own + 100 + step, 30))]
     return calls
 
 
@@ -291,14 +298,8 @@ def test_a_trial_parting_from_another_restores_where_their_windows_part():
     sessions fill the pool and no request of the first trial's own needs it."""
     steps, keep, parted_at = 8, 6, 4
     leader_calls = recent_window_session(steps, tag=10_000, keep=keep)
-    system = message("system", text(1, 40))
-    history = [message("user", text(10_000, 20))]
-    follower_calls = []
-    for step in range(steps):
-        follower_calls.append(request([system, *history[-keep:]], text(10_050 + step, 8)))
-        own = 30_000 if step >= parted_at else 10_000  # its own answers and results from here
-        history += [message("assistant", text(own + 50 + step, 8)), message("tool", text(own + 100 + step, 30))]
-    store = PrefixStore(CheckpointPlanner(), budget=6, evict=True)
+    follower_calls = recent_window_session(steps, tag=10_000, keep=keep, parted_at=parted_at, parted_tag=30_000)
+    store = PrefixStore(CheckpointPlanner(), budget=8, evict=True)
     others = {f"other-{i}": recent_window_session(steps, tag=20_000 + 1000 * i, keep=keep) for i in range(3)}
     parted = []
     for step in range(steps):
