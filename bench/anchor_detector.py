@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from sglang_hybrid.anchors import tokenizers as tok
+from sglang_hybrid.replay import rendering
 from sglang_hybrid.anchors.detector import AnchorDetector
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -29,7 +29,7 @@ def _source_rendering() -> tuple[str, str]:
     if template.exists() and SWEAGENT_TRAJ.exists():
         step = json.loads(SWEAGENT_TRAJ.read_text())["trajectory"][-1]["messages"]
         messages = [{k: m[k] for k in ("role", "content", "tool_calls") if k in m} for m in step]
-        return "sweagent_last_step_qwen3_template", tok.render_chat(messages, template_path=template)
+        return "sweagent_last_step_qwen3_template", rendering.render_chat(messages, template_path=template)
     rng = np.random.default_rng(0)
     messages = [{"role": "system", "content": "You are a coding agent. " * 200}]
     for turn in range(60):
@@ -37,7 +37,7 @@ def _source_rendering() -> tuple[str, str]:
         messages.append({"role": "assistant", "content": f"Step {turn}", "tool_calls": [
             {"type": "function", "function": {"name": "bash", "arguments": '{"command": "ls"}'}}]})
         messages.append({"role": "tool", "content": body})
-    return "synthetic_chatml_session", tok.render_chatml(messages)
+    return "synthetic_chatml_session", rendering.render_chatml(messages)
 
 
 def main() -> None:
@@ -48,7 +48,7 @@ def main() -> None:
     args = parser.parse_args()
 
     source, text = _source_rendering()
-    base = np.array(tok.qwen3_encode(text), dtype=np.int32)
+    base = np.array(rendering.qwen3_encode(text), dtype=np.int32)
     ids = np.tile(base, -(-args.tokens // base.shape[0]))
     detector = AnchorDetector.for_family("chatml")
     anchors = detector.detect(ids)  # warm-up, and the anchor count for the record

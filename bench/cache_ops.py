@@ -26,7 +26,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams  # noqa: E402
 
 from cache_fixtures import build, write_live_state  # noqa: E402
-from sglang_hybrid.anchors.tokenizers import qwen3_encode, render_chat  # noqa: E402
+from sglang_hybrid.replay.rendering import qwen3_encode, render_chat  # noqa: E402
 
 OPS = ("match", "insert", "evict")
 

@@ -218,9 +218,9 @@ def _tiny_capture(mode: str, planner=None, family: str = "chatml"):
 
 
 def _chat_prompt() -> list[int]:
-    from sglang_hybrid.anchors import tokenizers as tok
+    from sglang_hybrid.replay import rendering
 
-    text = tok.render_chatml(
+    text = rendering.render_chatml(
         [
             {"role": "system", "content": "You are terse."},
             {"role": "user", "content": "List the files."},
@@ -229,7 +229,7 @@ def _chat_prompt() -> list[int]:
         ],
         None,
     )
-    return tok.qwen3_encode(text + "<|im_start|>assistant\n")
+    return rendering.qwen3_encode(text + "<|im_start|>assistant\n")
 
 
 def test_chunked_prefill_captures_each_depth_in_the_forward_that_crosses_it():

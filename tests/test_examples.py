@@ -193,7 +193,7 @@ def test_summary_replaces_the_middle_of_the_history(runs):
 @pytest.mark.skipif(not QWEN3_TEMPLATE_PATH.exists(), reason="../shared/data not present")
 @pytest.mark.parametrize("name", RUNS)
 def test_prompts_are_what_the_qwen3_template_renders(runs, name):
-    from sglang_hybrid.anchors.tokenizers import render_chat
+    from sglang_hybrid.replay.rendering import render_chat
 
     records, _ = runs[name]
     generation_prefix = "<think>\n" if name == "reasoning" else ""

@@ -19,7 +19,7 @@ import numpy as np
 from sglang_hybrid.anchors.detector import AnchorDetector
 from sglang_hybrid.anchors.hints import validate_hints
 from sglang_hybrid.anchors.planner import CheckpointPlanner, Purpose, RequestContext
-from sglang_hybrid.anchors.tokenizers import QWEN3_NEWLINE_ID, QWEN3_ROLE_IDS, QWEN3_SPECIAL_IDS
+from sglang_hybrid.anchors.special_tokens import QWEN3_NEWLINE_ID, QWEN3_ROLE_IDS, QWEN3_SPECIAL_IDS
 
 IM_START = QWEN3_SPECIAL_IDS["<|im_start|>"]
 IM_END = QWEN3_SPECIAL_IDS["<|im_end|>"]

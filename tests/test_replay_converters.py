@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from sglang_hybrid.anchors.tokenizers import qwen3_encoding
+from sglang_hybrid.replay.rendering import qwen3_encoding
 from sglang_hybrid.replay.converters import (
     RenderConfig, calls_to_trace, convert, history_calls, mooncake_trace, sweagent_calls, sweagent_history, taubench_calls,
 )

@@ -256,7 +256,7 @@ def test_restored_state_is_a_copy_the_checkpoint_is_never_written():
 
 @pytest.fixture(scope="module")
 def swe_agent_prompts():
-    from sglang_hybrid.anchors.tokenizers import qwen3_encode, render_chat
+    from sglang_hybrid.replay.rendering import qwen3_encode, render_chat
 
     traj = json.loads((SHARED / "traces" / "sweagent_marshmallow-1867_fc_last_n_observations.traj").read_text())
     template = SHARED / "qwen3.jinja"

