@@ -3,57 +3,24 @@
 A request asks for checkpoints in ``sampling_params.custom_params["checkpoint_hints"]``
 (OpenAI clients: ``extra_body={"custom_params": {...}}``, which SGLang forwards): explicit
 token positions, or a mode (``"messages"``, ``"none"``, ``"auto"``). The hint is validated
-where SGLang tokenizes the request, the first point where the prompt length is known; a bad
-hint raises ``InvalidCheckpointHint``, which SGLang's HTTP routes answer with status 400 and
-the message of ``validate_hints``. A valid one is rewritten in canonical form.
+where SGLang tokenizes the request, the first point where the prompt length is known
+(``anchors.hints.validate_request_hint``); a bad hint raises ``InvalidCheckpointHint``, which
+SGLang's HTTP routes answer with status 400 and the message of ``validate_hints``. A valid one
+is rewritten in canonical form.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING
 
-from sglang_hybrid.anchors.hints import HintMode, InvalidCheckpointHint, validate_hints
+from sglang_hybrid.anchors.hints import validate_request_hint
 
 if TYPE_CHECKING:
     from sglang.srt.managers.tokenizer_manager import TokenizerManager
 
-# The keys in a request's sampling_params.custom_params (OpenAI: extra_body.custom_params).
-CHECKPOINT_HINT_PARAM = "checkpoint_hints"
-# The agent session a request belongs to: the planner learns where each session's edits
-# land. Without it a request joins the session whose checkpoint it restored.
-SESSION_PARAM = "checkpoint_session"
-MAX_SESSION_ID_CHARS = 256
-# Explicit positions one request may ask for; more could not be held by a pool of the
-# default size anyway, and the bound keeps validation and planning cheap.
-MAX_HINT_POSITIONS = 64
 TOKENIZE_TARGET = (
     "sglang.srt.managers.tokenizer_manager.TokenizerManager._create_tokenized_object"
 )
-
-
-def validate_request_hint(sampling_params: Optional[dict], prompt_len: int) -> Optional[dict]:
-    """``sampling_params`` with its checkpoint hint checked against the prompt and put in
-    canonical form (a mode name, or a list of ints); unchanged when it carries none.
-
-    Raises ``InvalidCheckpointHint`` (a ``ValueError``, which SGLang's HTTP routes answer
-    with status 400 and the message).
-    """
-    custom_params = (sampling_params or {}).get("custom_params")
-    if not isinstance(custom_params, dict):
-        return sampling_params
-    session = custom_params.get(SESSION_PARAM)
-    if session is not None and (
-        not isinstance(session, str) or not 0 < len(session) <= MAX_SESSION_ID_CHARS
-    ):
-        raise InvalidCheckpointHint(
-            f"{SESSION_PARAM} must be a string of 1 to {MAX_SESSION_ID_CHARS} characters, "
-            f"got {session!r:.80}"
-        )
-    if CHECKPOINT_HINT_PARAM not in custom_params:
-        return sampling_params
-    hint = validate_hints(custom_params[CHECKPOINT_HINT_PARAM], prompt_len, MAX_HINT_POSITIONS)
-    canonical = hint.positions.tolist() if hint.mode is HintMode.EXPLICIT else hint.mode.value
-    return {**sampling_params, "custom_params": {**custom_params, CHECKPOINT_HINT_PARAM: canonical}}
 
 
 def _validate_hint_at_tokenization(

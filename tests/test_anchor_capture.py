@@ -162,7 +162,7 @@ def test_one_extend_captures_every_anchor_equal_to_separate_prefills():
         restored = [None if r.kv.mamba_cow_src_index is None else int(r.kv.mamba_cow_src_index) for r in reqs]
         for req in reqs:
             driver.run_copy_on_write(req)
-        hints = [validate_hints(h, len(ids), 64) for ids, _, h in requests]
+        hints = [validate_hints(h, len(ids)) for ids, _, h in requests]
         capture.prepare_forward(reqs, restored, hints, [None] * len(reqs))
         _extend(
             backend, layer,

@@ -13,16 +13,15 @@ from sglang.srt.managers.io_struct import GenerateReqInput
 from sglang.srt.managers.tokenizer_manager import TokenizerManager
 from sglang.srt.plugins.hook_registry import HookRegistry
 
-from sglang_hybrid.anchors.hints import InvalidCheckpointHint
-from sglang_hybrid.request_hints import (
+from sglang_hybrid.anchors.hints import (
     CHECKPOINT_HINT_PARAM,
     MAX_HINT_POSITIONS,
     MAX_SESSION_ID_CHARS,
     SESSION_PARAM,
-    _validate_hint_at_tokenization,
-    install_checkpoint_hint_hook,
+    InvalidCheckpointHint,
     validate_request_hint,
 )
+from sglang_hybrid.request_hints import _validate_hint_at_tokenization, install_checkpoint_hint_hook
 
 PROMPT_IDS = list(range(1000, 1100))
 

@@ -33,7 +33,6 @@ from sglang_hybrid.anchors.detector import AnchorDetector
 from sglang_hybrid.anchors.hints import validate_hints
 from sglang_hybrid.anchors.planner import CheckpointPlanner
 from sglang_hybrid.cache.standalone import SchedulerDriver, build_tree_cache
-from sglang_hybrid.request_hints import MAX_HINT_POSITIONS
 from sglang_hybrid.runtime.anchor_capture import AnchorCapture
 from sglang_hybrid.config import SemanticCacheConfig
 from sglang_hybrid.engine.state_bridge import HybridStateBridge
@@ -155,7 +154,7 @@ class CpuHybridEngine:
         # The copy-on-write below moves the matched slot into the live one: read it first.
         source = req.kv.mamba_cow_src_index
         hint = (
-            validate_hints(list(request.checkpoint_positions), len(prompt), MAX_HINT_POSITIONS)
+            validate_hints(list(request.checkpoint_positions), len(prompt))
             if request.checkpoint_positions
             else None
         )

@@ -54,7 +54,7 @@ import requests
 from tqdm import tqdm
 
 from ..metrics import COUNTERS, METRIC_PREFIX, REQUEST_INFO_KEY
-from ..request_hints import CHECKPOINT_HINT_PARAM, SESSION_PARAM
+from ..anchors.hints import checkpoint_params
 from .cost_model import DEFAULT_PROFILE, get_profile
 from .policies import drive, make_policy
 from .report import distribution
@@ -170,9 +170,6 @@ class ServerClient:
     def serve(self, index: int, request: Request, started: float) -> ServedRequest:
         rid = f"{self.rid_prefix}-{index}"
         # The trace's session and anchor hints, as the simulator's `semantic` policy has them.
-        custom_params = {SESSION_PARAM: request.session}
-        if request.anchors:
-            custom_params[CHECKPOINT_HINT_PARAM] = list(request.anchors)
         payload = {
             "rid": rid,
             "input_ids": request.input_ids.tolist(),
@@ -180,7 +177,7 @@ class ServerClient:
                 "temperature": 0.0,
                 "max_new_tokens": max(1, len(request.output_ids)),
                 "ignore_eos": True,
-                "custom_params": custom_params,
+                "custom_params": checkpoint_params(list(request.anchors or ()) or None, request.session),
             },
             "stream": True,
         }

@@ -29,9 +29,8 @@ from typing import TYPE_CHECKING, Optional
 import torch
 import torch.nn.functional as F
 
-from sglang_hybrid.anchors.hints import validate_hints
+from sglang_hybrid.anchors.hints import CHECKPOINT_HINT_PARAM, SESSION_PARAM, validate_hints
 from sglang_hybrid.kernels import conv_state_at_positions, gdn_state_at_positions
-from sglang_hybrid.request_hints import CHECKPOINT_HINT_PARAM, MAX_HINT_POSITIONS, SESSION_PARAM
 
 if TYPE_CHECKING:
     from sglang_hybrid.runtime.anchor_capture import AnchorCapture, CaptureQueries
@@ -65,9 +64,7 @@ def _request_hint(req):
     if CHECKPOINT_HINT_PARAM not in custom_params:
         return None
     # Already validated (and made canonical) where the request was tokenized.
-    return validate_hints(
-        custom_params[CHECKPOINT_HINT_PARAM], len(req.origin_input_ids), MAX_HINT_POSITIONS
-    )
+    return validate_hints(custom_params[CHECKPOINT_HINT_PARAM], len(req.origin_input_ids))
 
 
 def plan_captures_around_prepare_for_extend(original, batch, *args, **kwargs):

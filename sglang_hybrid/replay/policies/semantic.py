@@ -75,7 +75,7 @@ class SemanticPolicy(Policy):
     name = "semantic"
 
     def __init__(self, budget_slots, profile, *, host_slots: int = 0, detector: AnchorDetector | None = None,
-                 spec: "HybridPoolSpec | None" = None, max_hints: int = 64):
+                 spec: "HybridPoolSpec | None" = None):
         super().__init__(budget_slots, profile)
         # Importing SGLang takes seconds; only a replay that uses this policy pays for it.
         from ...cache.standalone import SchedulerDriver, build_tree_cache
@@ -83,7 +83,6 @@ class SemanticPolicy(Policy):
 
         # The replay's converters render with ChatML/Qwen3 templates and the Qwen3 tokenizer.
         self.detector = detector or AnchorDetector.for_family("chatml")
-        self.max_hints = max_hints
         self.under_test = build_tree_cache(
             "semantic", spec or tiny_state_spec(),
             config=SemanticCacheConfig(state_checkpoint_slots=budget_slots, state_checkpoint_host_slots=host_slots),
@@ -113,7 +112,7 @@ class SemanticPolicy(Policy):
         restored_slot = int(source) if source is not None and restored > 0 else None
         self.driver.run_copy_on_write(req)
 
-        hint = validate_hints(request.anchors, len(prompt), self.max_hints) if request.anchors else None
+        hint = validate_hints(request.anchors, len(prompt)) if request.anchors else None
         taken_before = self.cache.stats.taken
         # The replay checks placement, not numerics: the staged slots' content is not written.
         self.capture.plan_request(
