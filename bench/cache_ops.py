@@ -4,7 +4,8 @@ One recorded operation sequence (admission match with copy-on-write, insert of t
 request, and a KV eviction every few requests) from real agent traces rendered with the
 Qwen3 template: the SWE-agent trajectory and tau-bench sessions, each session's requests in
 order. Both caches use the Python tree core and the same pools; each operation is timed on
-both, in alternation, so machine noise hits both alike. No checkpoints are staged, so the two
+both, in alternation, so machine noise hits both alike. Requests go through the server's lifecycle
+(``RequestLifecycle``); no checkpoints are planned (planner ``none``, no hints), so the two
 caches run the same operations; the semantic snapshot is a copy where stock donates a slot.
 
 Writes results/bench/cache_ops.json and cache_ops.png; last line `cache_ops_ratio: <x>`.
@@ -15,58 +16,62 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-SHARED = ROOT.parent / "shared" / "data"
-sys.path.insert(0, str(ROOT / "tests"))
+from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 
-from sglang.srt.mem_cache.base_prefix_cache import EvictParams  # noqa: E402
-
-from cache_fixtures import build, write_live_state  # noqa: E402
-from sglang_hybrid.replay.rendering import qwen3_encode, render_chat  # noqa: E402
+from sglang_hybrid.config import DEFAULT_CHECKPOINT_SLOTS, SemanticCacheConfig
+from sglang_hybrid.harness.lifecycle import RequestLifecycle
+from sglang_hybrid.harness.pools import build_tree_cache, hybrid_pool_spec
+from sglang_hybrid.replay.rendering import qwen3_encode, render_chat
+from sglang_hybrid.replay.shared_data import QWEN3_TEMPLATE, REPO_ROOT, SWE_AGENT_TRAJ, TAU_BENCH_AIRLINE
 
 OPS = ("match", "insert", "evict")
 
 
 def recorded_requests(num_tau_sessions: int) -> list[tuple[list[int], list[int]]]:
-    template = SHARED / "qwen3.jinja"
     requests = []
-    traj = json.loads((SHARED / "traces" / "sweagent_marshmallow-1867_fc_last_n_observations.traj").read_text())
+    traj = json.loads(SWE_AGENT_TRAJ.read_text())
     for step in traj["trajectory"]:
         requests.append(
-            (qwen3_encode(render_chat(step["messages"], template_path=template)),
+            (qwen3_encode(render_chat(step["messages"], template_path=QWEN3_TEMPLATE)),
              qwen3_encode(step["response"])[:64])
         )
-    runs = json.loads((SHARED / "traces" / "tau-bench_gpt-4o-airline.json").read_text())
+    runs = json.loads(TAU_BENCH_AIRLINE.read_text())
     for run in runs[:num_tau_sessions]:
         history = run["traj"]
         for i, message in enumerate(history):
             if message["role"] != "assistant" or i == 0:
                 continue
-            prompt = qwen3_encode(render_chat(history[:i], template_path=template))
+            prompt = qwen3_encode(render_chat(history[:i], template_path=QWEN3_TEMPLATE))
             output = qwen3_encode(message.get("content") or "")[:64] or [0]
             requests.append((prompt, output))
     return requests
 
 
+def lifecycle(backend) -> RequestLifecycle:
+    """Six small recurrent layers beside two attention layers, room for every trace token."""
+    spec = hybrid_pool_spec(
+        recurrent_layers=[0, 1, 2, 4, 5, 6], attention_layers=[3, 7],
+        intermediate_size=32, num_heads=2, head_dim=8, state_size=8, conv_kernel=4,
+        kv_head_dim=4, kv_size=1 << 19, max_num_reqs=8, max_context_len=1 << 16,
+    )  # fmt: skip
+    config = SemanticCacheConfig(state_checkpoint_slots=DEFAULT_CHECKPOINT_SLOTS, checkpoint_planner="none")
+    return RequestLifecycle(build_tree_cache(backend, spec, config=config))
+
+
 def run(requests, evict_every: int, repeats: int) -> dict:
     times = {backend: {op: [] for op in OPS} for backend in ("stock", "semantic")}
     for _ in range(repeats):
-        drivers = {
-            "stock": build(None, kv_size=1 << 19, max_context_len=1 << 16),
-            "semantic": build("semantic", checkpoint_slots=64, kv_size=1 << 19, max_context_len=1 << 16),
-        }
+        drivers = {"stock": lifecycle(None), "semantic": lifecycle("semantic")}
         for n, (prompt, output) in enumerate(requests):
             for backend, driver in drivers.items():
                 req = driver.new_request(prompt, output)
                 start = time.perf_counter()
                 driver.admit(req)
-                driver.run_copy_on_write(req)
+                driver.start([req])
                 times[backend]["match"].append(time.perf_counter() - start)
-                write_live_state(driver.t, req.kv.mamba_pool_idx, ())
                 start = time.perf_counter()
                 driver.finish(req)
                 times[backend]["insert"].append(time.perf_counter() - start)
@@ -82,7 +87,7 @@ def main(argv=None) -> None:
     parser.add_argument("--tau-sessions", type=int, default=20)
     parser.add_argument("--evict-every", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--out", type=Path, default=ROOT / "results" / "bench")
+    parser.add_argument("--out", type=Path, default=REPO_ROOT / "results" / "bench")
     args = parser.parse_args(argv)
 
     requests = recorded_requests(args.tau_sessions)

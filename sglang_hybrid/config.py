@@ -18,6 +18,9 @@ from sglang_hybrid.anchors.detector import KNOWN_FAMILIES, NO_ANCHORS
 
 CONFIG_ENV_VAR = "SGLANG_HYBRID_CONFIG"
 GIB = 1 << 30
+# Checkpoint slots when neither a count nor a memory budget is given; the replay's default
+# budget too.
+DEFAULT_CHECKPOINT_SLOTS = 64
 
 # Which checkpoints a request gets beyond the end-of-request state the cache always keeps:
 # "adaptive" learns where each session's edits land (anchors/planner.py), "messages" takes
@@ -44,8 +47,6 @@ class SemanticCacheConfig:
     # lru under the others; resolved in __post_init__.
     checkpoint_eviction: Optional[str] = None
     anchor_template_family: str = AUTO_TEMPLATE_FAMILY
-
-    DEFAULT_SLOTS = 64
 
     def __post_init__(self):
         if self.state_checkpoint_slots is not None and self.state_checkpoint_memory_gib is not None:
@@ -87,7 +88,7 @@ class SemanticCacheConfig:
             return int(self.state_checkpoint_memory_gib * GIB) // bytes_per_slot
         if self.state_checkpoint_slots is not None:
             return self.state_checkpoint_slots
-        return self.DEFAULT_SLOTS
+        return DEFAULT_CHECKPOINT_SLOTS
 
     def to_env(self) -> dict[str, str]:
         return {CONFIG_ENV_VAR: json.dumps(asdict(self))}

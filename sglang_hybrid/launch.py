@@ -35,10 +35,12 @@ import sys
 from importlib.metadata import entry_points
 from typing import TYPE_CHECKING, Mapping, Sequence
 
+from sglang_hybrid.compatibility import REQUIRED_MAMBA_STRATEGY, REQUIRED_PAGE_SIZE, unsupported_options
 from sglang_hybrid.config import (
     ANCHOR_TEMPLATE_FAMILIES,
     CHECKPOINT_EVICTIONS,
     CHECKPOINT_PLANNERS,
+    DEFAULT_CHECKPOINT_SLOTS,
     SemanticCacheConfig,
 )
 from sglang_hybrid.plugin import BACKEND_NAME
@@ -52,11 +54,6 @@ PROG = "sglang-hybrid launch"
 # The name of our entry point in the ``sglang.srt.plugins`` group (pyproject.toml); it is
 # what SGLANG_PLUGINS must list if a deployment restricts which plugins load.
 PLUGIN_NAME = "sglang_hybrid"
-
-# The only values of these SGLang options the backend can serve, and the ones the
-# launcher fills in when the user leaves them at SGLang's "decide for me" default.
-REQUIRED_MAMBA_STRATEGY = "no_buffer"
-REQUIRED_PAGE_SIZE = 1
 
 
 class LaunchError(ValueError):
@@ -79,7 +76,7 @@ def add_semantic_cache_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="Number of checkpoint slots; each holds one full recurrent state (every "
         "Mamba/GDN layer's conv and temporal state). "
-        f"Default: {SemanticCacheConfig.DEFAULT_SLOTS} unless --state-checkpoint-memory-gib "
+        f"Default: {DEFAULT_CHECKPOINT_SLOTS} unless --state-checkpoint-memory-gib "
         "is given.",
     )
     sizing.add_argument(
@@ -160,8 +157,9 @@ def split_argv(argv: Sequence[str]) -> tuple[SemanticCacheConfig, list[str]]:
 def check_compatible(server_args: "ServerArgs") -> None:
     """Refuse SGLang options the semantic backend cannot serve, before the model loads.
 
-    The backend factory checks the same again inside the scheduler, where some of them are
-    only known after the model is read; here the user gets the answer in a second.
+    The backend factory checks the same table (``compatibility.py``) again inside the
+    scheduler, with what is only known after the model is read; here the user gets the answer
+    in a second.
     """
     if server_args.disable_radix_cache:
         if server_args.radix_cache_backend is not None:
@@ -176,48 +174,9 @@ def check_compatible(server_args: "ServerArgs") -> None:
             f"{PROG} serves with --radix-cache-backend {BACKEND_NAME}; got {backend!r}. "
             "Use sglang serve for other backends."
         )
-    refusals = [
-        (
-            server_args.enable_int8_mamba_checkpoint,
-            "--enable-int8-mamba-checkpoint: the semantic backend keeps its own checkpoint "
-            "pool, sized with --state-checkpoint-slots / --state-checkpoint-memory-gib",
-        ),
-        (
-            server_args.enable_hierarchical_cache,
-            "--enable-hierarchical-cache: SGLang's host offload does not know checkpoint "
-            "slots; --state-checkpoint-host-slots gives checkpoints a host tier of their own",
-        ),
-        (
-            server_args.enable_session_radix_cache,
-            "--enable-session-radix-cache: session references are not supported by the "
-            "semantic backend",
-        ),
-        (
-            server_args.enable_lmcache,
-            "--enable-lmcache: LMCache builds a tree cache of its own, which the semantic "
-            "backend would replace",
-        ),
-        (
-            server_args.mamba_max_states_per_path != -1,
-            "--mamba-max-states-per-path: it prunes states by depth; the semantic backend "
-            "bounds checkpoints with --state-checkpoint-slots instead",
-        ),
-        (
-            server_args.mamba_radix_cache_strategy not in ("auto", REQUIRED_MAMBA_STRATEGY),
-            f"--mamba-radix-cache-strategy {server_args.mamba_radix_cache_strategy}: the "
-            f"semantic backend needs {REQUIRED_MAMBA_STRATEGY}, since checkpoints sit at anchor "
-            "positions that a tracking grid would round away",
-        ),
-        (
-            server_args.page_size not in (None, REQUIRED_PAGE_SIZE),
-            f"--page-size {server_args.page_size}: the semantic backend needs --page-size "
-            f"{REQUIRED_PAGE_SIZE}, since checkpoints sit at token positions a page would "
-            "round away",
-        ),
-    ]
-    for refused, reason in refusals:
-        if refused:
-            raise LaunchError(f"{PROG} cannot serve with {reason}")
+    refusals = unsupported_options(server_args)
+    if refusals:
+        raise LaunchError(f"{PROG} cannot serve with {refusals[0]}")
 
 
 def select_semantic_backend(server_args: "ServerArgs") -> None:

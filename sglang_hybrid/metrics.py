@@ -14,9 +14,12 @@ so it may be called as often as convenient.
 
 Per request, the response's ``meta_info`` carries ``semantic_cache`` beside SGLang's
 ``cached_tokens``. It travels on SGLang's own channel for per-request extras,
-``Req.customized_info``: the cache writes it when it matches the request for admission
-(``record_request_restore``), and ``SemanticOutputStreamer`` tells SGLang's output path
-to send it once per request rather than sliced per output token.
+``Req.customized_info``: ``RequestRestoreReport`` writes it when the cache matches the request
+for admission (``record_request_restore``), and ``SemanticOutputStreamer`` tells SGLang's
+output path to send it once per request rather than sliced per output token.
+
+Both subscribe to the cache (``subscribe_metrics``, called by the backend factory); the cache
+knows nothing of them.
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ from sglang.srt.managers.scheduler_components.output_streamer import SchedulerOu
 from sglang.srt.observability.metrics_collector import _StatLoggerDIMixin
 from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
+from sglang_hybrid.cache.stats import CheckpointObserver
+
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
 
@@ -36,7 +41,8 @@ if TYPE_CHECKING:
     from sglang.srt.mem_cache.allocator.mamba import MambaSlotAllocator
 
     from sglang_hybrid.cache.checkpoint_pool import StateCheckpointPool
-    from sglang_hybrid.cache.semantic_cache import CheckpointStats, SemanticStateCache
+    from sglang_hybrid.cache.semantic_cache import SemanticStateCache
+    from sglang_hybrid.cache.stats import CheckpointStats
 
 logger = logging.getLogger(__name__)
 
@@ -91,7 +97,7 @@ COUNTERS: dict[str, tuple[str, str]] = {
 }
 
 
-class CheckpointMetricsCollector(_StatLoggerDIMixin):
+class CheckpointMetricsCollector(CheckpointObserver, _StatLoggerDIMixin):
     """Counters and slot gauges of one scheduler rank's ``SemanticStateCache``.
 
     Like SGLang's collectors it honours the ``_counter_cls`` / ``_gauge_cls`` overrides of
@@ -206,6 +212,9 @@ class CheckpointMetricsCollector(_StatLoggerDIMixin):
             self.live_slots_in_use.labels(**self.labels).set(live.size - live.available_size())
             self.live_slots_capacity.labels(**self.labels).set(live.size)
 
+    def cache_changed(self, stats: "CheckpointStats", pool: "StateCheckpointPool") -> None:
+        self.observe(stats, pool)
+
 
 # ---- per-request restore report in meta_info ----
 
@@ -228,6 +237,22 @@ def record_request_restore(req: "Req", restored_tokens: int, kv_hit_tokens: int)
         REQUEST_INFO_KEY,
         [{"restored_tokens": int(restored_tokens), "kv_hit_tokens": int(kv_hit_tokens)}],
     )
+
+
+class RequestRestoreReport(CheckpointObserver):
+    """Writes each admitted request's restore into its meta_info report."""
+
+    def request_matched(self, req: "Req", restored_tokens: int, kv_hit_tokens: int) -> None:
+        record_request_restore(req, restored_tokens, kv_hit_tokens)
+
+
+def subscribe_metrics(cache: "SemanticStateCache") -> None:
+    """Subscribe the per-request report and, with ``--enable-metrics``, the Prometheus
+    collector to ``cache``."""
+    cache.subscribe(RequestRestoreReport())
+    collector = CheckpointMetricsCollector.for_cache(cache)
+    if collector is not None:
+        cache.subscribe(collector)
 
 
 class SemanticOutputStreamer(SchedulerOutputStreamer):

@@ -7,6 +7,7 @@ selects the backend with ``--radix-cache-backend semantic``.
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Optional
 
@@ -17,17 +18,19 @@ from sglang.srt.mem_cache.registry import (
     registered_radix_cache_backends,
 )
 from sglang.srt.mem_cache.unified_cache.components.base import ComponentType
-from sglang.srt.runtime_context import get_exec
 
-from sglang_hybrid.anchors.detector import AnchorDetector
+from sglang_hybrid.anchors.anchor_planning import AnchorPlanning
+from sglang_hybrid.anchors.detector import NO_ANCHORS, AnchorDetector
 from sglang_hybrid.anchors.planner import CheckpointPlanner
 from sglang_hybrid.cache.checkpoint_pool import StateCheckpointPool, StateLayout
-from sglang_hybrid.cache.semantic_cache import SemanticMambaComponent, SemanticStateCache
+from sglang_hybrid.cache.planning import CheckpointPlanning
+from sglang_hybrid.cache.semantic_cache import SemanticStateCache
+from sglang_hybrid.cache.semantic_component import SemanticMambaComponent
+from sglang_hybrid.compatibility import REQUIRED_MAMBA_STRATEGY, REQUIRED_PAGE_SIZE, unsupported_options
 from sglang_hybrid.config import AUTO_TEMPLATE_FAMILY, SemanticCacheConfig
 from sglang_hybrid.cpu_fallbacks import install_cpu_fallbacks
+from sglang_hybrid.metrics import install_request_info_hook, subscribe_metrics
 from sglang_hybrid.request_hints import install_checkpoint_hint_hook
-from sglang_hybrid.metrics import install_request_info_hook
-from sglang_hybrid.runtime.anchor_capture import AnchorCapture
 from sglang_hybrid.runtime.hooks import install_anchor_capture_hooks
 
 logger = logging.getLogger(__name__)
@@ -50,8 +53,17 @@ def register() -> None:
 
 
 def build_semantic_state_cache(ctx: TreeCacheBuildContext) -> SemanticStateCache:
-    _check_supported(ctx)
+    """The backend factory: our flags from ``SGLANG_HYBRID_CONFIG``, the planning they say."""
     config = SemanticCacheConfig.from_env()
+    return semantic_state_cache(ctx, config, _checkpoint_planning(ctx, config))
+
+
+def semantic_state_cache(
+    ctx: TreeCacheBuildContext, config: SemanticCacheConfig, planning: Optional[CheckpointPlanning]
+) -> SemanticStateCache:
+    """The cache for ``ctx``: a checkpoint pool sized by ``config`` installed where SGLang
+    looks for a checkpoint store, ``planning`` given to the cache, the metrics subscribed."""
+    _check_supported(ctx)
     req_to_token_pool = ctx.params.req_to_token_pool
     mamba_pool = req_to_token_pool.mamba_pool
     layout = StateLayout.of_mamba_pool(mamba_pool)
@@ -73,28 +85,38 @@ def build_semantic_state_cache(ctx: TreeCacheBuildContext) -> SemanticStateCache
         **(ctx.params.component_registry_override or {}),
         ComponentType.MAMBA: SemanticMambaComponent,
     }
-    cache = create_unified_radix_cache(ctx, cache_class=SemanticStateCache)
-    checkpoint_pool.anchor_capture = _anchor_capture(ctx, config, cache)
+    cache = create_unified_radix_cache(
+        ctx, cache_class=functools.partial(SemanticStateCache, planning=planning)
+    )
+    subscribe_metrics(cache)
     return cache
 
 
-def _anchor_capture(
-    ctx: TreeCacheBuildContext, config: SemanticCacheConfig, cache: SemanticStateCache
-) -> Optional[AnchorCapture]:
+def _checkpoint_planning(
+    ctx: TreeCacheBuildContext, config: SemanticCacheConfig
+) -> Optional[AnchorPlanning]:
+    """The planning of checkpoints inside prefills; None where the model's forward cannot
+    capture them.
+
+    A server's forward captures only Gated DeltaNet states (``runtime/hooks.py``). A cache
+    built without a model (``harness/``: the replay, the CPU engine, the tests) is driven by a
+    caller that writes the staged states itself, whatever the layer type.
+    """
     hf_config = getattr(ctx.model_config, "hf_config", None)
-    model_type = getattr(hf_config, "model_type", None)
-    if model_type not in GDN_MODEL_TYPES:
+    if ctx.model_config is not None and getattr(hf_config, "model_type", None) not in GDN_MODEL_TYPES:
         logger.info(
             "semantic state cache: no in-prefill anchor checkpoints for model type %s "
             "(captured for %s); checkpoints at request ends and prefill chunk ends only",
-            model_type,
+            getattr(hf_config, "model_type", None),
             ", ".join(sorted(GDN_MODEL_TYPES)),
         )
         return None
-    if config.anchor_template_family == AUTO_TEMPLATE_FAMILY:
+    if config.anchor_template_family != AUTO_TEMPLATE_FAMILY:
+        detector = AnchorDetector.for_family(config.anchor_template_family)
+    elif hf_config is not None:
         detector = AnchorDetector.from_model_config(hf_config.to_dict())
     else:
-        detector = AnchorDetector.for_family(config.anchor_template_family)
+        detector = AnchorDetector.for_family(NO_ANCHORS)
     planner = CheckpointPlanner() if config.checkpoint_planner == "adaptive" else None
     logger.info(
         "semantic state cache: %s checkpoints inside prefill (anchors: %s), %s eviction",
@@ -102,8 +124,7 @@ def _anchor_capture(
         detector.family,
         config.checkpoint_eviction,
     )
-    return AnchorCapture(
-        cache,
+    return AnchorPlanning(
         detector,
         config.checkpoint_planner,
         planner,
@@ -117,28 +138,13 @@ def _check_supported(ctx: TreeCacheBuildContext) -> None:
             "--radix-cache-backend semantic caches recurrent-state checkpoints and needs a "
             "hybrid model with Mamba/GDN layers; drop the flag for this model"
         )
-    if ctx.enable_hierarchical_cache:
+    # The strategy and page size as the scheduler resolved them.
+    if ctx.params.enable_mamba_extra_buffer or ctx.params.page_size != REQUIRED_PAGE_SIZE:
         raise ValueError(
-            "--radix-cache-backend semantic does not support --enable-hierarchical-cache yet"
+            f"--radix-cache-backend semantic needs --mamba-radix-cache-strategy "
+            f"{REQUIRED_MAMBA_STRATEGY} and --page-size {REQUIRED_PAGE_SIZE}: checkpoints sit at "
+            "anchor positions, which a page or track grid would round away"
         )
-    if ctx.params.enable_session_radix_cache:
-        raise ValueError(
-            "--radix-cache-backend semantic does not support --enable-session-radix-cache"
-        )
-    if getattr(ctx.params.req_to_token_pool, "mamba_ckpt_pool", None) is not None:
-        raise ValueError(
-            "--radix-cache-backend semantic keeps its own checkpoint pool; "
-            "drop --enable-int8-mamba-checkpoint"
-        )
-    if ctx.params.enable_mamba_extra_buffer or ctx.params.page_size != 1:
-        raise ValueError(
-            "--radix-cache-backend semantic needs --mamba-radix-cache-strategy no_buffer and "
-            "--page-size 1: checkpoints sit at anchor positions, which a page or track grid "
-            "would round away"
-        )
-    mamba = get_exec().mamba
-    if mamba.mamba_max_states_per_path >= 0:
-        raise ValueError(
-            "--mamba-max-states-per-path prunes checkpoints by depth; the semantic backend "
-            "sizes them with --state-checkpoint-slots instead"
-        )
+    refusals = unsupported_options(ctx.server_args)
+    if refusals:
+        raise ValueError(f"--radix-cache-backend semantic cannot serve with {refusals[0]}")

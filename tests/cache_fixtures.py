@@ -2,7 +2,9 @@
 
 A test stands in for the model by writing, into a request's state slot, a fingerprint of
 the exact token prefix the state has consumed. Restoring the wrong checkpoint (wrong node,
-wrong slot, stale content) then shows up as a fingerprint mismatch.
+wrong slot, stale content) then shows up as a fingerprint mismatch. Requests go through the
+server's lifecycle (``RequestLifecycle``); checkpoints are staged where a request's hint asks
+(planner ``none``, eviction by recency).
 """
 
 from __future__ import annotations
@@ -12,45 +14,73 @@ from typing import Optional, Sequence
 
 import torch
 
-from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateDType, Mamba2StateShape
-
-from sglang_hybrid.cache.standalone import (
-    HybridPoolSpec,
-    SchedulerDriver,
-    TreeCacheUnderTest,
-    build_tree_cache,
-)
+from sglang_hybrid.anchors.detector import NO_ANCHORS
+from sglang_hybrid.cache.planning import CheckpointId
+from sglang_hybrid.cache.semantic_cache import SemanticStateCache
 from sglang_hybrid.config import SemanticCacheConfig
+from sglang_hybrid.harness.lifecycle import RequestLifecycle
+from sglang_hybrid.harness.pools import HybridPoolSpec, StandaloneTreeCache, build_tree_cache, hybrid_pool_spec
 
 MAMBA_LAYERS = [0, 1, 2, 4, 5, 6]
 FULL_LAYERS = (3, 7)
 
 
 def small_spec(**overrides) -> HybridPoolSpec:
-    shape = Mamba2StateShape.create(
-        tp_world_size=1, intermediate_size=32, n_groups=1, num_heads=2,
-        head_dim=8, state_size=8, conv_kernel=4,
-    )
-    params = Mamba2CacheParams(
-        shape=shape,
-        layers=MAMBA_LAYERS,
-        dtype=Mamba2StateDType(conv=torch.bfloat16, temporal=torch.float32),
-    )
     values = dict(
-        cache_params=params, full_attention_layer_ids=FULL_LAYERS,
-        kv_head_num=1, kv_head_dim=4, kv_size=8192, max_num_reqs=8, max_context_len=4096,
+        recurrent_layers=MAMBA_LAYERS, attention_layers=FULL_LAYERS,
+        intermediate_size=32, num_heads=2, head_dim=8, state_size=8, conv_kernel=4,
+        conv_dtype=torch.bfloat16, kv_head_dim=4, kv_size=8192, max_num_reqs=8, max_context_len=4096,
     )
     values.update(overrides)
-    return HybridPoolSpec(**values)
+    return hybrid_pool_spec(**values)
 
 
-def build(backend: Optional[str], checkpoint_slots: int = 16, **spec_overrides) -> SchedulerDriver:
-    t = build_tree_cache(
-        backend,
-        small_spec(**spec_overrides),
-        config=SemanticCacheConfig(state_checkpoint_slots=checkpoint_slots),
+class ValueByDepth:
+    """A ``CheckpointPlanning`` that plans nothing, values a checkpoint by its depth (deeper is
+    worth more) and records the moves it is told of."""
+
+    evicts_by_value = True
+
+    def __init__(self):
+        self.moves: list[tuple[CheckpointId, CheckpointId]] = []
+
+    def plan(self, request):
+        return []
+
+    def staged(self, rid, depth, checkpoint):
+        raise AssertionError("nothing was planned")
+
+    def value(self, checkpoint, depth):
+        return float(depth)
+
+    def moved(self, old, new):
+        self.moves.append((old, new))
+
+    def finished(self, rid, cached, prompt_len, end, free):
+        pass
+
+    def released(self, rid):
+        pass
+
+
+def build_tiered(device_slots: int, host_slots: int, planning=None, **spec_overrides) -> RequestLifecycle:
+    """The semantic cache; its planning stages what hints ask and evicts by recency, unless
+    ``planning`` is given."""
+    config = SemanticCacheConfig(
+        state_checkpoint_slots=device_slots,
+        state_checkpoint_host_slots=host_slots,
+        checkpoint_planner="none",
+        anchor_template_family=NO_ANCHORS,
     )
-    return SchedulerDriver(t)
+    return RequestLifecycle(
+        build_tree_cache("semantic", small_spec(**spec_overrides), config=config, planning=planning)
+    )
+
+
+def build(backend: Optional[str], checkpoint_slots: int = 16, planning=None, **spec_overrides) -> RequestLifecycle:
+    if backend is None:
+        return RequestLifecycle(build_tree_cache(None, small_spec(**spec_overrides)))
+    return build_tiered(checkpoint_slots, 0, planning, **spec_overrides)
 
 
 def fingerprint(tokens: Sequence[int]) -> float:
@@ -59,16 +89,16 @@ def fingerprint(tokens: Sequence[int]) -> float:
     return float(int.from_bytes(digest, "little") % 251 + 1)
 
 
-def write_live_state(t: TreeCacheUnderTest, slot: torch.Tensor, tokens: Sequence[int]) -> None:
+def write_live_state(tree: StandaloneTreeCache, slot: torch.Tensor, tokens: Sequence[int]) -> None:
     value = fingerprint(tokens)
-    cache = t.mamba_pool.mamba_cache
+    cache = tree.mamba_pool.mamba_cache
     for conv in cache.conv:
         conv[:, int(slot)] = value
     cache.temporal[:, int(slot)] = value
 
 
-def live_state_fingerprint(t: TreeCacheUnderTest, slot: torch.Tensor) -> float:
-    cache = t.mamba_pool.mamba_cache
+def live_state_fingerprint(tree: StandaloneTreeCache, slot: torch.Tensor) -> float:
+    cache = tree.mamba_pool.mamba_cache
     values = {float(v) for v in cache.temporal[:, int(slot)].unique()}
     for conv in cache.conv:
         values |= {float(v) for v in conv[:, int(slot)].float().unique()}
@@ -76,49 +106,34 @@ def live_state_fingerprint(t: TreeCacheUnderTest, slot: torch.Tensor) -> float:
     return values.pop()
 
 
-def serve(driver: SchedulerDriver, prompt, output=(), anchors=()):
-    """One request end to end: admit, restore, 'compute' (checks the restored state), stage
-    checkpoints at ``anchors`` (depths), finish. Returns the match result."""
-    t = driver.t
-    req = driver.new_request(prompt, output)
+def serve(driver: RequestLifecycle, prompt, output=(), anchors=()):
+    """One request end to end: admit, start (restore, stage checkpoints at the prompt
+    depths ``anchors``, its hint), 'compute' (checks the restored state, writes the staged
+    ones), finish. Returns the match result."""
+    tree = driver.tree
+    req = driver.new_request(prompt, output, hint=sorted(set(anchors)) or None)
     result = driver.admit(req)
-    driver.run_copy_on_write(req)
+    driver.start([req])
     restored_depth = result.device_prefix_len
     if restored_depth > 0:
-        assert live_state_fingerprint(t, req.kv.mamba_pool_idx) == fingerprint(
+        assert live_state_fingerprint(tree, req.kv.mamba_pool_idx) == fingerprint(
             req.full_untruncated_fill_ids[:restored_depth]
         ), "restored state does not match the prefix it claims"
-    cache = driver.cache
-    for depth in anchors:
-        if not restored_depth < depth <= len(req.full_untruncated_fill_ids):
-            continue
-        slot = cache.alloc_checkpoint_slot() if hasattr(cache, "alloc_checkpoint_slot") else None
-        if slot is None:
-            continue
-        write_checkpoint_slot(t, slot, req.full_untruncated_fill_ids[:depth])
-        cache.stage_checkpoint(req, depth, slot)
-    write_live_state(t, req.kv.mamba_pool_idx, req.full_untruncated_fill_ids)
+    if isinstance(driver.cache, SemanticStateCache):
+        for depth, checkpoint in driver.cache.staged_checkpoints(req):
+            write_checkpoint_slot(tree, checkpoint.slot, req.full_untruncated_fill_ids[:depth])
+    write_live_state(tree, req.kv.mamba_pool_idx, req.full_untruncated_fill_ids)
     driver.finish(req)
     return result
 
 
-def write_checkpoint_slot(t: TreeCacheUnderTest, slot: torch.Tensor, tokens) -> None:
-    pool = t.req_to_token_pool.mamba_ckpt_pool
+def write_checkpoint_slot(tree: StandaloneTreeCache, slot: torch.Tensor, tokens) -> None:
+    pool = tree.req_to_token_pool.mamba_ckpt_pool
     value = fingerprint(tokens)
     for conv in pool.conv:
         conv[:, int(slot)] = value
     pool.temporal[:, int(slot)] = value
 
-
-def build_tiered(device_slots: int, host_slots: int, **spec_overrides) -> SchedulerDriver:
-    t = build_tree_cache(
-        "semantic",
-        small_spec(**spec_overrides),
-        config=SemanticCacheConfig(
-            state_checkpoint_slots=device_slots, state_checkpoint_host_slots=host_slots
-        ),
-    )
-    return SchedulerDriver(t)
 
 
 def tree_nodes(cache) -> list:

@@ -3,9 +3,10 @@
 ``GDNAttnBackend.forward_extend`` (SGLang's code: convolution, gating, the chunked-scan
 kernel call; the scan itself is our CPU fallback, Triton kernels run interpreted) serves a
 ragged batch of two requests, one of them continuing from a restored checkpoint, with the
-plugin's hooks applied. The states the forward captured at the requested anchors, attached
-to the tree by the real cache, must equal the states of separate prefills that stop at
-those anchors, run through the same backend.
+plugin's hooks applied; the requests go through the server's lifecycle (``RequestLifecycle``).
+The states the forward captured at the requested anchors, attached to the tree by the real
+cache, must equal the states of separate prefills that stop at those anchors, run through the
+same backend.
 """
 
 from __future__ import annotations
@@ -16,18 +17,17 @@ import numpy as np
 import pytest
 import torch
 
-from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateDType, Mamba2StateShape
 from sglang.srt.layers.attention.linear.gdn_backend import GDNAttnBackend, GDNKernelDispatcher
 from sglang.srt.layers.attention.linear.kernels.gdn_triton import TritonGDNKernel
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
 from sglang.srt.plugins.hook_registry import HookRegistry
 
-from sglang_hybrid.anchors.detector import AnchorDetector, AnchorKind
-from sglang_hybrid.anchors.hints import validate_hints
-from sglang_hybrid.anchors.planner import CheckpointPlanner
-from sglang_hybrid.cache.standalone import HybridPoolSpec, SchedulerDriver, build_tree_cache
+from sglang_hybrid.anchors.detector import NO_ANCHORS, AnchorDetector, AnchorKind
+from sglang_hybrid.cache.planning import CheckpointId
 from sglang_hybrid.config import SemanticCacheConfig
-from sglang_hybrid.runtime.anchor_capture import AnchorCapture
+from sglang_hybrid.harness.lifecycle import RequestLifecycle
+from sglang_hybrid.harness.pools import HybridPoolSpec, build_tree_cache, hybrid_pool_spec
+from sglang_hybrid.runtime.anchor_capture import queries_for_forward
 
 NUM_K_HEADS, NUM_V_HEADS, HEAD_K, HEAD_V, CONV_KERNEL = 2, 4, 16, 16, 4
 KEY_DIM, VALUE_DIM = NUM_K_HEADS * HEAD_K, NUM_V_HEADS * HEAD_V
@@ -44,19 +44,12 @@ def hooks_applied():
 
 
 def _spec() -> HybridPoolSpec:
-    shape = Mamba2StateShape.create(
-        tp_world_size=1, intermediate_size=VALUE_DIM, n_groups=NUM_K_HEADS,
-        num_heads=NUM_V_HEADS, head_dim=HEAD_V, state_size=HEAD_K, conv_kernel=CONV_KERNEL,
+    return hybrid_pool_spec(
+        recurrent_layers=[GDN_LAYER_ID], attention_layers=[1],
+        intermediate_size=VALUE_DIM, n_groups=NUM_K_HEADS, num_heads=NUM_V_HEADS,
+        head_dim=HEAD_V, state_size=HEAD_K, conv_kernel=CONV_KERNEL,
         conv_shard_groups=[KEY_DIM, KEY_DIM, VALUE_DIM],
-    )  # fmt: skip
-    params = Mamba2CacheParams(
-        shape=shape,
-        layers=[GDN_LAYER_ID],
-        dtype=Mamba2StateDType(conv=torch.float32, temporal=torch.float32),
-    )
-    return HybridPoolSpec(
-        cache_params=params, full_attention_layer_ids=(1,), kv_head_num=1, kv_head_dim=4,
-        kv_size=4096, max_num_reqs=6, max_context_len=1024,
+        kv_head_dim=4, kv_size=4096, max_num_reqs=6, max_context_len=1024,
     )  # fmt: skip
 
 
@@ -145,25 +138,19 @@ def _separate_prefill_state(backend, layer, pool, inputs, depth):
 
 def test_one_extend_captures_every_anchor_equal_to_separate_prefills():
     generator = torch.Generator().manual_seed(0)
-    under_test = build_tree_cache("semantic", _spec(), config=SemanticCacheConfig(state_checkpoint_slots=16))
-    cache, pool = under_test.cache, under_test.req_to_token_pool
+    config = SemanticCacheConfig(state_checkpoint_slots=16, anchor_template_family=NO_ANCHORS)
+    driver = RequestLifecycle(build_tree_cache("semantic", _spec(), config=config))
+    cache, pool = driver.cache, driver.tree.req_to_token_pool
     checkpoints = pool.mamba_ckpt_pool
-    capture = AnchorCapture(cache, AnchorDetector.for_family("none"), "adaptive", CheckpointPlanner())
-    checkpoints.anchor_capture = capture
-    driver = SchedulerDriver(under_test)
     layer = _layer(generator)
     backend = _backend(pool)
 
     def admit_and_extend(requests):
         """requests: (token ids, per-token inputs, hint positions); one forward for all."""
-        reqs = [driver.new_request(ids) for ids, _, _ in requests]
+        reqs = [driver.new_request(ids, hint=hint) for ids, _, hint in requests]
         for req in reqs:
             driver.admit(req)
-        restored = [None if r.kv.mamba_cow_src_index is None else int(r.kv.mamba_cow_src_index) for r in reqs]
-        for req in reqs:
-            driver.run_copy_on_write(req)
-        hints = [validate_hints(h, len(ids)) for ids, _, h in requests]
-        capture.prepare_forward(reqs, restored, hints, [None] * len(reqs))
+        driver.start(reqs)
         _extend(
             backend, layer,
             [int(r.kv.mamba_pool_idx) for r in reqs],
@@ -194,8 +181,9 @@ def test_one_extend_captures_every_anchor_equal_to_separate_prefills():
     checked = 0
     for ids, inputs, anchors in [(ids_a, inputs_a, anchors_a), (ids_b, inputs_b, anchors_b), (ids_c, inputs_c, anchors_c)]:
         for depth in anchors:
-            slot = cache.checkpoint_slot_at(ids[:depth])
-            assert slot is not None, f"no checkpoint at depth {depth}"
+            checkpoint = cache.checkpoint_at(ids[:depth])
+            assert checkpoint is not None, f"no checkpoint at depth {depth}"
+            slot = checkpoint.slot
             conv, temporal = _separate_prefill_state(backend, layer, pool, inputs, depth)
             torch.testing.assert_close(checkpoints.conv[0][0][slot], conv, rtol=0, atol=0)
             torch.testing.assert_close(checkpoints.temporal[0][slot], temporal, rtol=1e-5, atol=1e-6)
@@ -203,18 +191,14 @@ def test_one_extend_captures_every_anchor_equal_to_separate_prefills():
     assert checked == len(anchors_a) + len(anchors_b) + len(anchors_c)
 
 
-# ---- AnchorCapture's planning and per-forward queries, on the replay's tiny state layout ----
+# ---- planning and per-forward queries, on the replay's tiny state layout ----
 
 
-def _tiny_capture(mode: str, planner=None, family: str = "chatml"):
+def _tiny_lifecycle(planner: str) -> RequestLifecycle:
     from sglang_hybrid.replay.policies.semantic import tiny_state_spec
 
-    under_test = build_tree_cache(
-        "semantic", tiny_state_spec(kv_tokens=1 << 14, max_context=1 << 12),
-        config=SemanticCacheConfig(state_checkpoint_slots=8),
-    )  # fmt: skip
-    capture = AnchorCapture(under_test.cache, AnchorDetector.for_family(family), mode, planner)
-    return SchedulerDriver(under_test), capture
+    config = SemanticCacheConfig(state_checkpoint_slots=8, checkpoint_planner=planner, anchor_template_family="chatml")
+    return RequestLifecycle(build_tree_cache("semantic", tiny_state_spec(kv_tokens=1 << 14, max_context=1 << 12), config=config))
 
 
 def _chat_prompt() -> list[int]:
@@ -233,62 +217,59 @@ def _chat_prompt() -> list[int]:
 
 
 def test_chunked_prefill_captures_each_depth_in_the_forward_that_crosses_it():
-    driver, capture = _tiny_capture("none")
-    req = driver.new_request(list(range(1, 101)))
+    driver = _tiny_lifecycle("none")
+    req = driver.new_request(list(range(1, 101)), hint=[10, 50, 60, 100])
     driver.admit(req)
-    hint = validate_hints([10, 50, 60, 100], 100, 64)
+    pool = driver.cache.checkpoint_pool
     # First chunk: tokens [0, 50).
     req.extend_end = 50
-    capture.prepare_forward([req], [None], [hint], [None])
-    first = capture.queries_for_forward([0], [50])
+    first = driver.start([req])
     assert first.pos.tolist() == [10, 50] and first.seq.tolist() == [0, 0]
+    assert queries_for_forward(pool, [0], [50]) is first
     # Second chunk: tokens [50, 100); positions count from the chunk's first token.
     req.prefix_len, req.extend_end = 50, 100
-    capture.prepare_forward([req], [None], [hint], [None])
-    second = capture.queries_for_forward([50], [50])
+    second = driver.start([req])
     assert second.pos.tolist() == [10, 50]
     assert len({*first.slots.tolist(), *second.slots.tolist()}) == 4
     with pytest.raises(RuntimeError, match="does not match the batch"):
-        capture.queries_for_forward([0], [50])
+        queries_for_forward(pool, [0], [50])
     driver.abort(req)
-    capture.release(req)
-    assert capture.cache.checkpoint_pool.used_size() == 0, "an aborted request's staged slots leaked"
+    assert pool.used_size() == 0, "an aborted request's staged slots leaked"
 
 
 def test_messages_mode_stages_every_message_start_past_the_restored_prefix():
-    driver, capture = _tiny_capture("messages")
+    driver = _tiny_lifecycle("messages")
     prompt = _chat_prompt()
     req = driver.new_request(prompt)
     driver.admit(req)
-    capture.prepare_forward([req], [None], [None], [None])
-    starts = capture.detector.detect(np.asarray(prompt)).of_kind(AnchorKind.MESSAGE_START)
-    queries = capture.queries_for_forward([0], [len(prompt)])
+    queries = driver.start([req])
+    starts = AnchorDetector.for_family("chatml").detect(np.asarray(prompt)).of_kind(AnchorKind.MESSAGE_START)
     # The first message starts at depth 0, the state every request starts from anyway.
     assert queries.pos.tolist() == sorted({int(s) for s in starts if s > 0}) and len(queries) >= 4
 
 
 def test_none_mode_and_none_hint_stage_nothing():
-    driver, capture = _tiny_capture("none")
-    req = driver.new_request(_chat_prompt())
-    driver.admit(req)
-    capture.prepare_forward([req], [None], [None], [None])
-    assert capture.queries_for_forward([0], [req.extend_end]) is None
-    assert capture.cache.checkpoint_pool.used_size() == 0
+    for planner, hint in (("none", None), ("messages", "none")):
+        driver = _tiny_lifecycle(planner)
+        req = driver.new_request(_chat_prompt(), hint=hint)
+        driver.admit(req)
+        assert driver.start([req]) is None
+        assert driver.cache.checkpoint_pool.used_size() == 0
 
 
 def test_a_request_joins_the_session_whose_checkpoint_it_restored():
-    driver, capture = _tiny_capture("adaptive", CheckpointPlanner())
+    driver = _tiny_lifecycle("adaptive")
+    planner = driver.cache.planning.planner
     prompt = _chat_prompt()
-    # The driver inserts prompt + output: the output the final state covers.
-    first = driver.new_request(prompt, [7, 8])
+    # The lifecycle inserts prompt + output: the output the final state covers.
+    first = driver.new_request(prompt, [7, 8], session="agent-1")
     driver.admit(first)
-    capture.prepare_forward([first], [None], [None], ["agent-1"])
+    driver.start([first])
     driver.finish(first)
-    capture.request_finished(capture.release(first), [*prompt, 7, 8], len(prompt))
 
     follow_up = driver.new_request([*prompt, 7, 8, 9, 10, 11])
     driver.admit(follow_up)
-    source = int(follow_up.kv.mamba_cow_src_index)
-    capture.prepare_forward([follow_up], [source], [None], [None])
-    assert capture.release(follow_up) == "agent-1"
-    assert capture.planner.records[source].session == "agent-1"
+    source = CheckpointId.device(follow_up.kv.mamba_cow_src_index)
+    assert planner.records[source].session == "agent-1"
+    driver.start([follow_up])
+    assert planner.sessions["agent-1"].last_clock == planner.clock, "the follow-up was planned in its own session"

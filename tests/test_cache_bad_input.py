@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from sglang_hybrid.cache.checkpoint_pool import StateCheckpointPool, StateLayout
-from sglang_hybrid.cache.standalone import KVExhausted
+from sglang_hybrid.harness.lifecycle import KVExhausted
 from sglang_hybrid.config import CONFIG_ENV_VAR, SemanticCacheConfig
 
 from cache_fixtures import build, fingerprint, live_state_fingerprint, serve, write_checkpoint_slot, write_live_state
@@ -14,7 +14,7 @@ from test_semantic_cache import assert_slot_accounting
 
 
 def idle(driver) -> bool:
-    pool = driver.t.req_to_token_pool
+    pool = driver.tree.req_to_token_pool
     return (
         pool.mamba_allocator.available_size() == pool.mamba_allocator.size
         and driver.cache.staged_slots() == 0
@@ -67,9 +67,9 @@ def test_staged_checkpoint_past_the_inserted_length_is_freed_on_release():
     req = driver.new_request(list(range(10, 30)), [1, 2])
     driver.admit(req)
     slot = driver.cache.alloc_checkpoint_slot()
-    write_checkpoint_slot(driver.t, slot, list(range(500)))
+    write_checkpoint_slot(driver.tree, slot, list(range(500)))
     driver.cache.stage_checkpoint(req, 500, slot)
-    write_live_state(driver.t, req.kv.mamba_pool_idx, req.full_untruncated_fill_ids)
+    write_live_state(driver.tree, req.kv.mamba_pool_idx, req.full_untruncated_fill_ids)
     driver.finish(req)
     assert driver.cache.staged_slots() == 0
     assert_slot_accounting(driver)
@@ -80,7 +80,8 @@ def test_pool_smaller_than_one_requests_plan_keeps_what_fits():
     prompt = list(range(100, 200))
     serve(driver, prompt, [1], anchors=[10, 20, 30, 40, 99])
     stats = driver.cache.stats
-    assert stats.taken == 1 and stats.exhausted >= 4
+    # Staging stops at the first depth no slot is left for; the end state finds none either.
+    assert stats.taken == 1 and stats.exhausted == 2
     assert_slot_accounting(driver)
     assert idle(driver)
 
@@ -120,16 +121,16 @@ def test_many_requests_restore_from_one_checkpoint_which_is_never_written():
         assert driver.admit(req).device_prefix_len == len(base) + 1
         readers.append(req)
     for req in readers:
-        driver.run_copy_on_write(req)
+        driver.start([req])
     for i, req in enumerate(readers):
-        assert live_state_fingerprint(driver.t, req.kv.mamba_pool_idx) == fingerprint(base + [1])
-        write_live_state(driver.t, req.kv.mamba_pool_idx, [7000 + i])  # each moves on alone
+        assert live_state_fingerprint(driver.tree, req.kv.mamba_pool_idx) == fingerprint(base + [1])
+        write_live_state(driver.tree, req.kv.mamba_pool_idx, [7000 + i])  # each moves on alone
     for req in readers:
-        assert live_state_fingerprint(driver.t, req.kv.mamba_pool_idx) != fingerprint(base + [1])
+        assert live_state_fingerprint(driver.tree, req.kv.mamba_pool_idx) != fingerprint(base + [1])
     assert torch.equal(pool.temporal, snapshot[1])
     assert all(torch.equal(a, b) for a, b in zip(pool.conv, snapshot[0]))
     for req in readers:
-        write_live_state(driver.t, req.kv.mamba_pool_idx, req.full_untruncated_fill_ids)
+        write_live_state(driver.tree, req.kv.mamba_pool_idx, req.full_untruncated_fill_ids)
         driver.finish(req)
     assert_slot_accounting(driver)
     assert idle(driver)

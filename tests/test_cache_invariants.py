@@ -25,7 +25,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 from sglang.srt.mem_cache.unified_cache.components.base import ComponentType
 
-from sglang_hybrid.cache.standalone import KVExhausted
+from sglang_hybrid.harness.lifecycle import KVExhausted
 
 from cache_fixtures import (
     build_tiered,
@@ -58,8 +58,8 @@ class SemanticCacheMachine(RuleBasedStateMachine):
         self.sessions: list[list[int]] = []
         self.in_flight: list = []
         self.next_token = 1000
-        self.kv_total = self.driver.t.allocator.available_size()
-        self.live_total = self.driver.t.req_to_token_pool.mamba_allocator.size
+        self.kv_total = self.driver.tree.allocator.available_size()
+        self.live_total = self.driver.tree.req_to_token_pool.mamba_allocator.size
 
     def fresh_tokens(self, n: int) -> list[int]:
         tokens = list(range(self.next_token, self.next_token + n))
@@ -98,10 +98,10 @@ class SemanticCacheMachine(RuleBasedStateMachine):
             result = self.driver.admit(req)
         except KVExhausted:  # the scheduler would leave it waiting; nothing may leak
             return
-        self.driver.run_copy_on_write(req)
+        self.driver.start([req])
         depth = result.device_prefix_len
         if depth > 0:
-            assert live_state_fingerprint(self.driver.t, req.kv.mamba_pool_idx) == fingerprint(
+            assert live_state_fingerprint(self.driver.tree, req.kv.mamba_pool_idx) == fingerprint(
                 req.full_untruncated_fill_ids[:depth]
             )
         self.in_flight.append(req)
@@ -117,7 +117,7 @@ class SemanticCacheMachine(RuleBasedStateMachine):
         slot = self.cache.alloc_checkpoint_slot()
         if slot is None:
             return
-        write_checkpoint_slot(self.driver.t, slot, req.full_untruncated_fill_ids[:depth])
+        write_checkpoint_slot(self.driver.tree, slot, req.full_untruncated_fill_ids[:depth])
         self.cache.stage_checkpoint(req, depth, slot)
 
     @precondition(lambda self: self.in_flight)
@@ -128,10 +128,10 @@ class SemanticCacheMachine(RuleBasedStateMachine):
         if aborted:
             self.driver.abort(req)
         else:
-            write_live_state(self.driver.t, req.kv.mamba_pool_idx, req.full_untruncated_fill_ids)
+            write_live_state(self.driver.tree, req.kv.mamba_pool_idx, req.full_untruncated_fill_ids)
             self.driver.finish(req)
 
-    @precondition(lambda self: self.driver.t.allocator.available_size() < 300)
+    @precondition(lambda self: self.driver.tree.allocator.available_size() < 300)
     @rule(tokens=st.integers(1, 200))
     def evict_kv(self, tokens):
         self.cache.evict(EvictParams(num_tokens=tokens))
@@ -200,7 +200,7 @@ class SemanticCacheMachine(RuleBasedStateMachine):
 
     @invariant()
     def pools_are_conserved(self):
-        t = self.driver.t
+        t = self.driver.tree
         tree_kv = sum(len(n.component_data[FULL].value) for n in tree_nodes(self.cache)
                       if n.component_data[FULL].value is not None)
         private_kv = sum(len(r.full_untruncated_fill_ids) - r.kv.cache_protected_len for r in self.in_flight)

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from cache_fixtures import build_tiered, serve, tree_nodes
+from cache_fixtures import ValueByDepth, build_tiered, serve, tree_nodes
 from test_semantic_cache import assert_slot_accounting, checkpoint_slots_in_tree
 
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 from sglang.srt.mem_cache.unified_cache.components.base import ComponentType
 
-from sglang_hybrid.cache.semantic_cache import host_checkpoint_key
+from sglang_hybrid.cache.planning import CheckpointId
 
 MAMBA = ComponentType.MAMBA
 
@@ -93,9 +93,8 @@ def test_promotion_without_a_free_device_slot_restores_straight_from_host():
     assert_tiers_accounted(driver)
 
 
-def test_a_scored_host_tier_keeps_what_the_scorer_values_most():
-    driver = build_tiered(device_slots=1, host_slots=2)
-    driver.cache.eviction_scorer = lambda key, depth: float(depth)  # deeper is worth more
+def test_a_valued_host_tier_keeps_what_the_planning_values_most():
+    driver = build_tiered(device_slots=1, host_slots=2, planning=ValueByDepth())  # deeper is worth more
     prompts = [[100 + k] * length for k, length in enumerate([60, 20, 50, 30, 40])]
     for prompt in prompts:
         serve(driver, prompt, [1])
@@ -107,21 +106,19 @@ def test_a_scored_host_tier_keeps_what_the_scorer_values_most():
     assert_tiers_accounted(driver)
 
 
-def test_moves_between_tiers_are_reported_under_each_tier_key():
-    driver = build_tiered(device_slots=1, host_slots=2)
-    moves = []
-    driver.cache.on_checkpoint_moved = lambda old, new: moves.append((old, new))
+def test_moves_between_tiers_are_told_to_the_planning_under_each_tier_id():
+    planning = ValueByDepth()
+    driver = build_tiered(device_slots=1, host_slots=2, planning=planning)
     a, b = sessions(2)
     serve(driver, a, [1])
     [device_slot] = checkpoint_slots_in_tree(driver.cache)
     serve(driver, b, [1])  # a demoted
     [host_slot] = driver.cache.components[MAMBA].host_slots.values()
-    assert moves == [(device_slot, host_checkpoint_key(host_slot))]
-    assert host_checkpoint_key(host_slot) < 0
+    assert planning.moves == [(CheckpointId.device(device_slot), CheckpointId.host(host_slot))]
     serve(driver, a + [1, 5], [2])  # b demoted to make room, a promoted into its slot
     [b_host_slot] = driver.cache.components[MAMBA].host_slots.values()
-    assert moves[1:] == [
-        (device_slot, host_checkpoint_key(b_host_slot)),
-        (host_checkpoint_key(host_slot), device_slot),
+    assert planning.moves[1:] == [
+        (CheckpointId.device(device_slot), CheckpointId.host(b_host_slot)),
+        (CheckpointId.host(host_slot), CheckpointId.device(device_slot)),
     ]
-    assert driver.cache.free_checkpoint_keys() == [host_checkpoint_key(host_slot)]
+    assert driver.cache.free_checkpoints() == [CheckpointId.host(host_slot)]

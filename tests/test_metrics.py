@@ -18,7 +18,7 @@ from sglang.srt.managers.scheduler_components.output_streamer import SchedulerOu
 from sglang.srt.utils.common import add_prometheus_middleware
 
 from cache_fixtures import build, serve
-from sglang_hybrid.cache.semantic_cache import CheckpointStats
+from sglang_hybrid.cache.stats import CheckpointStats
 from sglang_hybrid.metrics import (
     COUNTERS,
     OUTPUT_STREAMER_TARGET,

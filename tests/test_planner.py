@@ -20,6 +20,7 @@ from sglang_hybrid.anchors.detector import AnchorDetector
 from sglang_hybrid.anchors.hints import validate_hints
 from sglang_hybrid.anchors.planner import CheckpointPlanner, Purpose, RequestContext
 from sglang_hybrid.anchors.special_tokens import QWEN3_NEWLINE_ID, QWEN3_ROLE_IDS, QWEN3_SPECIAL_IDS
+from sglang_hybrid.cache.planning import CheckpointId
 
 IM_START = QWEN3_SPECIAL_IDS["<|im_start|>"]
 IM_END = QWEN3_SPECIAL_IDS["<|im_end|>"]
@@ -79,20 +80,20 @@ class PrefixStore:
         self.evict = evict  # hold at most ``budget`` checkpoints, else only plan for it
         self._next_slot = 0
         self.sequences: list[np.ndarray] = []
-        self.checkpoints: dict[int, tuple[int, ...]] = {}  # slot -> tokens the state consumed
+        self.checkpoints: dict[CheckpointId, tuple[int, ...]] = {}  # -> tokens the state consumed
 
     def serve(self, session: str, prompt: np.ndarray, output: np.ndarray, hint=None):
         kept = output[:-1]
         lcp = max((divergence(prompt, s) for s in self.sequences), default=0)
-        held = {slot: len(p) for slot, p in self.checkpoints.items()
+        held = {checkpoint: len(p) for checkpoint, p in self.checkpoints.items()
                 if len(p) <= lcp and tuple(prompt[: len(p)].tolist()) == p}
-        usable = {slot: d for slot, d in held.items() if d <= min(lcp, len(prompt) - 1)}
-        restored_slot = max(usable, key=usable.get) if usable else None
-        restored = usable[restored_slot] if usable else 0
+        usable = {checkpoint: d for checkpoint, d in held.items() if d <= min(lcp, len(prompt) - 1)}
+        restored_checkpoint = max(usable, key=usable.get) if usable else None
+        restored = usable[restored_checkpoint] if usable else 0
         plan = self.planner.plan(RequestContext(
             session=session, prompt_ids=prompt, anchors=DETECTOR.detect(prompt),
             tree_lcp=lcp, held_depths=sorted(held.values()), restored_depth=restored,
-            restored_slot=restored_slot, free_slots=self.budget - len(self.checkpoints), hint=hint,
+            restored=restored_checkpoint, free_slots=self.budget - len(self.checkpoints), hint=hint,
         ))
         sequence = np.concatenate([prompt, kept])
         for checkpoint in plan.checkpoints:
@@ -108,13 +109,13 @@ class PrefixStore:
             return
         if self.evict and len(self.checkpoints) >= self.budget:
             # As the cache does: the checkpoint the planner values least makes room.
-            victim = min(self.checkpoints, key=lambda s: self.planner.eviction_score(s, len(self.checkpoints[s])))
+            victim = min(self.checkpoints, key=lambda c: self.planner.value(c, len(self.checkpoints[c])))
             del self.checkpoints[victim]
-            self.planner.forget_slots([victim])
-        slot = self._next_slot
+            self.planner.forget([victim])
+        checkpoint = CheckpointId.device(self._next_slot)
         self._next_slot += 1
-        self.checkpoints[slot] = tokens
-        self.planner.record_checkpoint(slot, session, depth, purpose)
+        self.checkpoints[checkpoint] = tokens
+        self.planner.record_checkpoint(checkpoint, session, depth, purpose)
 
 
 # "<tool_response>\n": template text between a tool result's anchor and its content.
@@ -192,8 +193,8 @@ def test_stripped_reasoning_keeps_the_first_prompt_end_of_the_turn():
              if planner.records[slot].purpose is Purpose.PROMPT_TAIL}
     first_tail = tails[len(calls[-2][0]) - 1]
     second_tail = tails[len(calls[-1][0]) - 1]
-    assert planner.eviction_score(first_tail, len(calls[-2][0]) - 1) > 0.0
-    assert planner.eviction_score(second_tail, len(calls[-1][0]) - 1) == 0.0
+    assert planner.value(first_tail, len(calls[-2][0]) - 1) > 0.0
+    assert planner.value(second_tail, len(calls[-1][0]) - 1) == 0.0
 
 
 def test_sessions_sharing_a_system_prompt_restore_at_the_message_start():
@@ -341,8 +342,8 @@ def test_full_pool_admits_only_checkpoints_worth_more_than_the_least_valuable_he
     for step in range(6):
         for name, calls in sessions.items():
             store.serve(name, *calls[step])
-    held_values = [planner.eviction_score(slot, r.depth) for slot, r in planner.records.items()]
-    continuation_values = [planner.eviction_score(s.continuation_slot, planner.records[s.continuation_slot].depth)
+    held_values = [planner.value(slot, r.depth) for slot, r in planner.records.items()]
+    continuation_values = [planner.value(s.continuation, planner.records[s.continuation].depth)
                            for s in planner.sessions.values()]
     assert min(continuation_values) > 0.0
     newcomer = last_n_session(2, tag=50_000)[1]
@@ -361,15 +362,15 @@ def test_superseded_and_bypassed_checkpoints_are_worth_nothing():
         store.serve("swe", prompt, output)
     session = planner.sessions["swe"]
     old_continuations = [slot for slot, record in planner.records.items()
-                         if record.purpose is Purpose.CONTINUATION and slot != session.continuation_slot]
+                         if record.purpose is Purpose.CONTINUATION and slot != session.continuation]
     assert old_continuations
     for slot in old_continuations:
-        assert planner.eviction_score(slot, planner.records[slot].depth) == 0.0
-    current = session.continuation_slot
-    assert planner.eviction_score(current, planner.records[current].depth) > 0.0
+        assert planner.value(slot, planner.records[slot].depth) == 0.0
+    current = session.continuation
+    assert planner.value(current, planner.records[current].depth) > 0.0
     # A slot the planner does not know, or knows at another depth, is evicted first.
-    assert planner.eviction_score(10_000, 5) == 0.0
-    assert planner.eviction_score(current, planner.records[current].depth + 1) == 0.0
+    assert planner.value(CheckpointId.device(10_000), 5) == 0.0
+    assert planner.value(current, planner.records[current].depth + 1) == 0.0
 
 
 DETERMINISM_SCRIPT = textwrap.dedent("""
@@ -386,7 +387,7 @@ DETERMINISM_SCRIPT = textwrap.dedent("""
             if step < len(calls):
                 plan, restored = store.serve(name, *calls[step])
                 out.append([name, restored, [(c.depth, int(c.purpose), round(c.value, 9)) for c in plan.checkpoints]])
-        out.append(sorted((slot, round(planner.eviction_score(slot, r.depth), 9)) for slot, r in planner.records.items()))
+        out.append(sorted((list(c), round(planner.value(c, r.depth), 9)) for c, r in planner.records.items()))
     print(json.dumps(out))
 """)
 

@@ -16,6 +16,7 @@ import json
 import pytest
 
 from sglang_hybrid.anchors.planner import Purpose
+from sglang_hybrid.cache.planning import Tier
 from sglang_hybrid.replay.cli_replay import replay_main
 from sglang_hybrid.replay.cost_model import get_profile
 from sglang_hybrid.replay.policies import drive
@@ -77,13 +78,13 @@ def test_a_final_state_keeps_its_planner_record_through_the_host_tier_and_back()
     final_depth = len(requests[0].input_ids) + len(requests[0].output_ids) - 1
     [(host_key, record)] = [(key, r) for key, r in planner.records.items()
                             if r.session == "a" and r.purpose is Purpose.CONTINUATION]
-    assert host_key < 0 and planner.sessions["a"].continuation_slot == host_key
-    assert planner.eviction_score(host_key, final_depth) > 0.0
+    assert host_key.tier is Tier.HOST and planner.sessions["a"].continuation == host_key
+    assert planner.value(host_key, final_depth) > 0.0
     _, (outcome,) = next(steps)
     assert outcome.restored_from_host and outcome.restored_depth == final_depth
     # Promoted back to a device slot, the record followed it and counted the restore.
     [device_key] = [key for key, r in planner.records.items() if r is record]
-    assert device_key >= 0 and record.uses == 1
+    assert device_key.tier is Tier.DEVICE and record.uses == 1
 
 
 def test_without_a_host_tier_the_small_pool_loses_every_final_state():

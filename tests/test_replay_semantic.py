@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 
+from sglang_hybrid.cache.planning import CheckpointId
 from sglang_hybrid.replay.cost_model import get_profile
 from sglang_hybrid.replay.policies import POLICIES, drive
 from sglang_hybrid.replay.policies.semantic import SemanticPolicy, tiny_state_spec
@@ -66,23 +67,23 @@ def test_hand_built_trace_restores_what_the_rules_say():
     assert stats.restored == 4
     assert stats.tokens_restored == sum(expected_restored)
     assert stats.taken == sum(o.checkpoints_taken for o in outcomes) > 0
-    assert policy.cache.eviction_scorer == policy.planner.eviction_score
+    assert policy.cache.eviction_valuation.planner is policy.planner
     assert policy.slots_peak == policy.slots_in_use == stats.taken - stats.evicted - stats.dropped_with_kv
     assert policy.kv_tokens_evicted == 0
 
 
-def test_budget_bounds_the_pool_and_eviction_runs_through_the_planner():
+def test_budget_bounds_the_pool_and_eviction_runs_through_the_planner(monkeypatch):
     sessions = [last_n_session(6, tag=1000 * i) for i in range(4)]
     requests = [as_request(f"s{i}", step, calls[step]) for step in range(6) for i, calls in enumerate(sessions)]
     policy = small_policy(3)
-    scored: list[tuple[int, int]] = []
-    planner_score = policy.planner.eviction_score
+    scored: list[tuple[CheckpointId, int]] = []
+    planner_value = policy.planner.value
 
-    def recording_scorer(slot: int, depth: int) -> float:
-        scored.append((slot, depth))
-        return planner_score(slot, depth)
+    def recording_value(checkpoint: CheckpointId, depth: int) -> float:
+        scored.append((checkpoint, depth))
+        return planner_value(checkpoint, depth)
 
-    policy.cache.eviction_scorer = recording_scorer
+    monkeypatch.setattr(policy.planner, "value", recording_value)
     for step, (outcome,) in drive(requests, [policy]):
         assert outcome.cached_tokens + outcome.recomputed_tokens == outcome.prompt_tokens
         assert outcome.cached_tokens <= step.reuse_limit

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from sglang_hybrid.cache.semantic_cache import CheckpointStats
+from sglang_hybrid.cache.stats import CheckpointStats
 from sglang_hybrid.metrics import CheckpointMetricsCollector
 from sglang_hybrid.replay.cli_replay import replay_main
 from sglang_hybrid.replay.server_backend import (

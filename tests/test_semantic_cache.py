@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 from importlib.metadata import entry_points
-from pathlib import Path
 
 import pytest
 import torch
@@ -13,11 +12,12 @@ from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 from sglang.srt.mem_cache.registry import registered_radix_cache_backends
 from sglang.srt.mem_cache.unified_cache.components.base import ComponentType
 
-from cache_fixtures import build, fingerprint, serve, tree_nodes, write_checkpoint_slot, write_live_state
-from sglang_hybrid.cache.semantic_cache import SemanticStateCache, node_depth
+from cache_fixtures import ValueByDepth, build, fingerprint, serve, tree_nodes, write_checkpoint_slot, write_live_state
+from sglang_hybrid.cache.semantic_cache import SemanticStateCache
+from sglang_hybrid.cache.semantic_component import node_depth
+from sglang_hybrid.replay.shared_data import QWEN3_TEMPLATE, SWE_AGENT_TRAJ
 
 MAMBA = ComponentType.MAMBA
-SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
 
 
 def checkpoint_depths(cache) -> list[int]:
@@ -57,7 +57,7 @@ def test_registry_builds_semantic_cache_with_separate_pool():
     cache = driver.cache
     assert isinstance(cache, SemanticStateCache)
     assert cache.checkpoint_pool.num_slots == 5
-    mamba_cache = driver.t.mamba_pool.mamba_cache
+    mamba_cache = driver.tree.mamba_pool.mamba_cache
     assert cache.checkpoint_pool.temporal.shape[2:] == mamba_cache.temporal.shape[2:]
     assert cache.checkpoint_pool.temporal.dtype == mamba_cache.temporal.dtype
     assert [c.dtype for c in cache.checkpoint_pool.conv] == [c.dtype for c in mamba_cache.conv]
@@ -93,7 +93,7 @@ def test_kv_eviction_drops_the_checkpoint_with_it(backend):
     driver.cache.evict(EvictParams(num_tokens=10_000))
     assert driver.cache.full_evictable_size() == 0
     assert driver.cache.mamba_evictable_size() == 0
-    pool = driver.t.req_to_token_pool
+    pool = driver.tree.req_to_token_pool
     assert pool.mamba_allocator.available_size() == pool.mamba_allocator.size
     if backend == "semantic":
         assert driver.cache.checkpoint_pool.used_size() == 0
@@ -142,8 +142,8 @@ def test_cached_states_never_hold_live_request_slots():
     for prompt in prompts:
         serve(stock, prompt, [1])
         serve(semantic, prompt, [1])
-    live = lambda d: d.t.req_to_token_pool.mamba_allocator.available_size()
-    full = semantic.t.req_to_token_pool.mamba_allocator.size
+    live = lambda d: d.tree.req_to_token_pool.mamba_allocator.available_size()
+    full = semantic.tree.req_to_token_pool.mamba_allocator.size
     assert live(stock) == full - len(prompts)
     assert live(semantic) == full
     assert semantic.cache.checkpoint_pool.used_size() == len(prompts)
@@ -192,12 +192,11 @@ def test_lru_evicts_least_recently_restored_and_probe_matches_do_not_refresh():
     assert_slot_accounting(driver)
 
 
-def test_eviction_scorer_overrides_recency():
-    driver = build("semantic", checkpoint_slots=2)
+def test_a_planning_that_evicts_by_value_overrides_recency():
+    driver = build("semantic", checkpoint_slots=2, planning=ValueByDepth())  # keeps deep states
     deep, shallow = [21] * 200, [22] * 20
     serve(driver, deep, [1])
     serve(driver, shallow, [1])
-    driver.cache.eviction_scorer = lambda slot, depth: float(depth)  # keep deep states
     serve(driver, [23] * 30, [1])
     assert driver.match(driver.new_request(deep + [1, 4]), cow=False).device_prefix_len == 201
     assert driver.match(driver.new_request(shallow + [1, 4]), cow=False).device_prefix_len == 0
@@ -212,8 +211,8 @@ def test_locked_checkpoint_survives_pressure_until_its_request_finishes():
     for k in (32, 33, 34):
         serve(driver, [k] * 30, [1])
     assert driver.match(driver.new_request(base + [1, 8]), cow=False).device_prefix_len == 41
-    driver.run_copy_on_write(holder)
-    write_live_state(driver.t, holder.kv.mamba_pool_idx, holder.full_untruncated_fill_ids)
+    driver.start([holder])
+    write_live_state(driver.tree, holder.kv.mamba_pool_idx, holder.full_untruncated_fill_ids)
     driver.finish(holder)
     serve(driver, [35] * 30, [1])
     serve(driver, [36] * 30, [1])
@@ -227,12 +226,12 @@ def test_abort_frees_staged_checkpoints_and_live_slot():
     driver.admit(req)
     for depth in (10, 20):
         slot = driver.cache.alloc_checkpoint_slot()
-        write_checkpoint_slot(driver.t, slot, req.full_untruncated_fill_ids[:depth])
+        write_checkpoint_slot(driver.tree, slot, req.full_untruncated_fill_ids[:depth])
         driver.cache.stage_checkpoint(req, depth, slot)
     assert driver.cache.checkpoint_pool.used_size() == 2
     driver.abort(req)
     assert driver.cache.checkpoint_pool.used_size() == 0
-    pool = driver.t.req_to_token_pool
+    pool = driver.tree.req_to_token_pool
     assert pool.mamba_allocator.available_size() == pool.mamba_allocator.size
     assert_slot_accounting(driver)
 
@@ -245,8 +244,8 @@ def test_restored_state_is_a_copy_the_checkpoint_is_never_written():
     before = driver.cache.checkpoint_pool.temporal[:, slot].clone()
     req = driver.new_request(base + [1, 2, 3], [4])
     driver.admit(req)
-    driver.run_copy_on_write(req)
-    write_live_state(driver.t, req.kv.mamba_pool_idx, [999])  # the request moves on
+    driver.start([req])
+    write_live_state(driver.tree, req.kv.mamba_pool_idx, [999])  # the request moves on
     assert torch.equal(driver.cache.checkpoint_pool.temporal[:, slot], before)
     assert before.flatten()[0].item() == fingerprint(base + [1])
 
@@ -258,11 +257,10 @@ def test_restored_state_is_a_copy_the_checkpoint_is_never_written():
 def swe_agent_prompts():
     from sglang_hybrid.replay.rendering import qwen3_encode, render_chat
 
-    traj = json.loads((SHARED / "traces" / "sweagent_marshmallow-1867_fc_last_n_observations.traj").read_text())
-    template = SHARED / "qwen3.jinja"
+    traj = json.loads(SWE_AGENT_TRAJ.read_text())
     prompts = []
     for step in traj["trajectory"]:
-        prompt = qwen3_encode(render_chat(step["messages"], template_path=template))
+        prompt = qwen3_encode(render_chat(step["messages"], template_path=QWEN3_TEMPLATE))
         output = qwen3_encode(step["response"])[:16]
         prompts.append((prompt, output))
     return prompts

@@ -32,7 +32,7 @@ kinds of points are reached again:
 Budget: one value function, *expected recomputed tokens saved* = P(the next request that can
 use it does) x (depth - the session's shared base) -- for checkpoints that serve other sessions,
 their use rate x what they save over the shared checkpoint before them -- ranks candidates for
-admission and held checkpoints for eviction (installed as the cache's ``eviction_scorer``), so
+admission and held checkpoints for eviction (the cache's planning ``value``), so
 a flood of message-start checkpoints never pushes out the continuation states the next turns
 need.
 
@@ -54,6 +54,7 @@ import numpy as np
 
 from sglang_hybrid.anchors.detector import AnchorKind, Anchors, Role
 from sglang_hybrid.anchors.hints import HintMode, ValidatedHint
+from sglang_hybrid.cache.planning import CheckpointId
 
 
 # How many of a session's own requests the stream-wide statistics (edit rate, edit rule) weigh
@@ -87,7 +88,7 @@ class RequestContext:
     not exist yet when it is planned (a server plans its prefill); what it leaves in the tree
     is told to the planner with ``request_finished``.
     ``tree_lcp`` is how many prompt tokens the tree's KV already holds; ``held_depths`` the
-    depths of checkpoints on that path; ``restored_depth``/``restored_slot`` what the cache's
+    depths of checkpoints on that path; ``restored_depth``/``restored`` what the cache's
     match restored (0/None for none); ``free_slots`` how many checkpoint slots are unused.
     """
 
@@ -97,7 +98,7 @@ class RequestContext:
     tree_lcp: int
     held_depths: Sequence[int]
     restored_depth: int
-    restored_slot: Optional[int]
+    restored: Optional[CheckpointId]
     free_slots: int
     hint: Optional[ValidatedHint] = None
 
@@ -301,10 +302,10 @@ class _Session:
     edits: int = 0  # of those, requests that diverged before the earlier request's end
     gap_total: int = 0  # requests of any session between consecutive requests of this one
     base_depth: int = 0  # shared-prefix depth the session started from
-    continuation_slot: Optional[int] = None
-    # Slot -> depth of the session's checkpoints on its current path: those before its last
+    continuation: Optional[CheckpointId] = None
+    # Checkpoint -> depth of the session's checkpoints on its current path: those before its last
     # edit point. The others can only serve a request that undoes an edit.
-    on_path: dict[int, int] = field(default_factory=dict)
+    on_path: dict[CheckpointId, int] = field(default_factory=dict)
     # Depth -> P(the next request's edit restores from a checkpoint at that depth).
     predictions: dict[int, float] = field(default_factory=dict)
     model: Optional[_EditModel] = None
@@ -320,14 +321,12 @@ class CheckpointPlanner:
     """Plans checkpoints per request and values held checkpoints for eviction.
 
     The budget it plans for is the cache's checkpoint pool: ``RequestContext.free_slots`` and
-    the checkpoints it has recorded. Use: ``plan(ctx)`` at admission (it also learns from the request); capture the returned
-    depths during prefill; after the request is in the tree, ``record_checkpoint`` every slot
-    that holds one of its checkpoints (the staged ones and the generation-end one);
-    ``forget_slots`` the slots the pool reports free; install ``eviction_score`` as the
-    cache's ``eviction_scorer`` and ``move_record`` as its ``on_checkpoint_moved``.
-
-    A "slot" here is the key the cache knows a checkpoint by: a device slot id, or a negative
-    key while the checkpoint sits in the host tier.
+    the checkpoints it has recorded. Use (``AnchorPlanning`` does, for the cache): ``plan(ctx)``
+    at admission (it also learns from the request); capture the returned depths during
+    prefill; ``record_checkpoint`` each checkpoint that holds one of the request's states (the
+    staged ones, and once it finished the generation-end one); ``forget`` the checkpoints the
+    cache reports free; ``value`` a held checkpoint for eviction; ``move_record`` when the
+    cache moves one between tiers. A checkpoint is known by its ``CheckpointId``.
     """
 
     def __init__(
@@ -340,7 +339,7 @@ class CheckpointPlanner:
         self.predictions_per_request = predictions_per_request
         self.clock = 0
         self.sessions: dict[str, _Session] = {}
-        self.records: dict[int, _Record] = {}
+        self.records: dict[CheckpointId, _Record] = {}
         self._model_capacity = model_capacity
         self._learning_rate = learning_rate
         # Stream-wide edit model and rates: the prior for sessions with little history.
@@ -372,14 +371,14 @@ class CheckpointPlanner:
             session.base_depth = ctx.restored_depth
         else:
             own_prefix = self._learn_transition(session, ctx.prompt_ids)
-        if ctx.restored_slot is not None and ctx.restored_slot in self.records:
-            restored = self.records[ctx.restored_slot]
+        if ctx.restored is not None and ctx.restored in self.records:
+            restored = self.records[ctx.restored]
             restored.uses += 1
             if restored.purpose is Purpose.SHARED_PATH and restored.session != ctx.session:
                 self.shared_uses += 1
         # The previous continuation state was just consumed (or bypassed by an edit); the one
         # this request leaves replaces it once recorded.
-        session.continuation_slot = None
+        session.continuation = None
         self._follow(ctx, session)
 
         index = _AnchorIndex(ctx.anchors, prompt_len)
@@ -466,7 +465,7 @@ class CheckpointPlanner:
         common = int(differ[0]) if differ.size else n
         session.transitions += 1
         self.transitions += 1
-        session.on_path = {slot: depth for slot, depth in session.on_path.items() if depth <= common}
+        session.on_path = {checkpoint: depth for checkpoint, depth in session.on_path.items() if depth <= common}
         gap = self.clock - session.last_clock
         session.gap_total += gap
         self.gap_total += gap
@@ -548,7 +547,7 @@ class CheckpointPlanner:
         ]
         free = ctx.free_slots
         held_values = sorted(
-            self._value(record, slot) for slot, record in self.records.items()
+            self._value(record, checkpoint) for checkpoint, record in self.records.items()
         )
         admitted = []
         # Most valuable first: each admission without a free slot displaces the least valuable
@@ -577,18 +576,18 @@ class CheckpointPlanner:
             raise KeyError(f"session {session!r} was never planned")
         owner.sequence, owner.index = sequence, _AnchorIndex(anchors, int(sequence.shape[0]))
 
-    def record_checkpoint(self, slot: int, session: str, depth: int, purpose: Purpose) -> None:
-        """``slot`` now holds ``session``'s checkpoint at ``depth`` (taken for ``purpose``)."""
+    def record_checkpoint(self, checkpoint: CheckpointId, session: str, depth: int, purpose: Purpose) -> None:
+        """``checkpoint`` now holds ``session``'s checkpoint at ``depth`` (taken for ``purpose``)."""
         owner = self.sessions.get(session)
         if owner is None:
             raise KeyError(f"session {session!r} was never planned")
-        self._drop_record(slot)
-        self.records[slot] = self._new_record(session, depth, purpose)
+        self._drop_record(checkpoint)
+        self.records[checkpoint] = self._new_record(session, depth, purpose)
         if purpose is Purpose.SHARED_PATH:
             self.shared_taken += 1
-        owner.on_path[slot] = depth
+        owner.on_path[checkpoint] = depth
         if purpose is Purpose.CONTINUATION:
-            owner.continuation_slot = slot
+            owner.continuation = checkpoint
 
     def _new_record(self, session: str, depth: int, purpose: Purpose) -> _Record:
         """The record of a checkpoint ``session``'s latest request takes (or would take)."""
@@ -597,54 +596,54 @@ class CheckpointPlanner:
         message = owner.planned_messages.get(depth, b"") if purpose is Purpose.SHARED_PATH else b""
         return _Record(session, depth, purpose, self.clock, span=span, message=message)
 
-    def move_record(self, old_slot: int, new_slot: int) -> None:
-        """The checkpoint held in ``old_slot`` now sits in ``new_slot`` (the cache moved it
+    def move_record(self, old: CheckpointId, new: CheckpointId) -> None:
+        """The checkpoint held in ``old`` now sits in ``new`` (the cache moved it
         between its tiers): its record -- uses, age, place on its session's path -- follows."""
-        record = self.records.pop(old_slot, None)
-        self._drop_record(new_slot)
+        record = self.records.pop(old, None)
+        self._drop_record(new)
         if record is None:
             return
-        self.records[new_slot] = record
+        self.records[new] = record
         session = self.sessions[record.session]
-        if old_slot in session.on_path:
-            session.on_path[new_slot] = session.on_path.pop(old_slot)
-        if session.continuation_slot == old_slot:
-            session.continuation_slot = new_slot
+        if old in session.on_path:
+            session.on_path[new] = session.on_path.pop(old)
+        if session.continuation == old:
+            session.continuation = new
 
-    def forget_slots(self, free_slots: Iterable[int]) -> None:
-        """Drop what the planner knows about slots the pool reports free (evicted, or a capture
-        that never reached the tree)."""
-        for slot in free_slots:
-            self._drop_record(int(slot))
+    def forget(self, free: Iterable[CheckpointId]) -> None:
+        """Drop what the planner knows about slots the cache reports free (evicted, or a
+        capture that never reached the tree)."""
+        for checkpoint in free:
+            self._drop_record(checkpoint)
 
-    def _drop_record(self, slot: int) -> None:
-        record = self.records.pop(slot, None)
+    def _drop_record(self, checkpoint: CheckpointId) -> None:
+        record = self.records.pop(checkpoint, None)
         if record is None:
             return
         session = self.sessions[record.session]
-        session.on_path.pop(slot, None)
-        if session.continuation_slot == slot:
-            session.continuation_slot = None
+        session.on_path.pop(checkpoint, None)
+        if session.continuation == checkpoint:
+            session.continuation = None
 
     # ---- valuation ----
 
-    def eviction_score(self, slot: int, depth: int) -> float:
-        """The cache's ``eviction_scorer``: expected tokens saved by keeping this checkpoint.
+    def value(self, checkpoint: CheckpointId, depth: int) -> float:
+        """Expected tokens saved by keeping this checkpoint (the cache evicts the lowest).
 
-        A slot the planner does not know (or knows at another depth) is worth nothing.
+        A checkpoint the planner does not know (or knows at another depth) is worth nothing.
         """
-        record = self.records.get(slot)
+        record = self.records.get(checkpoint)
         if record is None or record.depth != depth:
             return 0.0
-        return self._value(record, slot)
+        return self._value(record, checkpoint)
 
-    def _value(self, record: _Record, slot: Optional[int]) -> float:
-        """Expected recomputed tokens saved by ``record``'s checkpoint: held in ``slot``, or a
-        candidate when ``slot`` is None."""
+    def _value(self, record: _Record, checkpoint: Optional[CheckpointId]) -> float:
+        """Expected recomputed tokens saved by ``record``'s checkpoint: held in ``checkpoint``, or a
+        candidate when ``checkpoint`` is None."""
         session = self.sessions[record.session]
-        return self._own_value(session, record, slot) + self._followed_value(session, record)
+        return self._own_value(session, record, checkpoint) + self._followed_value(session, record)
 
-    def _own_value(self, session: _Session, record: _Record, slot: Optional[int]) -> float:
+    def _own_value(self, session: _Session, record: _Record, checkpoint: Optional[CheckpointId]) -> float:
         """What the checkpoint saves the requests it was taken for: its session's next ones,
         or for a shared one, any session's."""
         depth, purpose, created = record.depth, record.purpose, record.created
@@ -657,11 +656,11 @@ class CheckpointPlanner:
             prior = 1.0 if purpose is Purpose.BRANCH else (self.shared_uses + 1) / (self.shared_taken + 2)
             rate = (record.uses + prior) / (self.clock - created + gap)
             return record.span * min(1.0, rate * gap)
-        if slot is not None and slot not in session.on_path:
+        if checkpoint is not None and checkpoint not in session.on_path:
             return 0.0
         edit = self._edit_probability(session)
-        probability = self._edit_credit(session, depth, slot)
-        if slot is not None and slot == session.continuation_slot:
+        probability = self._edit_credit(session, depth, checkpoint)
+        if checkpoint is not None and checkpoint == session.continuation:
             probability += 1.0 - edit
         if purpose is Purpose.HINT:
             # The client says an edit will land here: trust it as much as the session's edits.
@@ -686,10 +685,10 @@ class CheckpointPlanner:
         return min(probability, 1.0) * max(record.depth - session.base_depth, 1)
 
     @staticmethod
-    def _edit_credit(session: _Session, depth: int, slot: Optional[int]) -> float:
+    def _edit_credit(session: _Session, depth: int, checkpoint: Optional[CheckpointId]) -> float:
         """P(the next edit restores from this checkpoint): the predicted edit points for which
         it is the deepest of the session's checkpoints at or before the point."""
-        others = sorted(d for s, d in session.on_path.items() if s != slot)
+        others = sorted(d for s, d in session.on_path.items() if s != checkpoint)
         credit = 0.0
         for point, probability in session.predictions.items():
             if depth > point:

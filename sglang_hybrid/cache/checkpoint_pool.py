@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
 
@@ -31,9 +31,6 @@ from sglang.srt.mem_cache.allocator.mamba import MambaSlotAllocator
 from sglang_hybrid.cache.host_tier import HostCheckpointTier
 from sglang_hybrid.kernels import INTERPRET as KERNELS_INTERPRETED
 from sglang_hybrid.kernels import copy_states, copy_states_reference
-
-if TYPE_CHECKING:
-    from sglang_hybrid.runtime.anchor_capture import AnchorCapture
 
 
 @dataclass(frozen=True)
@@ -103,9 +100,6 @@ class StateCheckpointPool:
         self.allocator = MambaSlotAllocator(size=num_slots, device=self.device)
         # Where device evictions go instead of being dropped; None keeps one tier.
         self.host_tier = HostCheckpointTier(layout, host_slots, self) if host_slots else None
-        # What fills staged slots inside prefill forwards (runtime/anchor_capture.py); None
-        # where checkpoints are taken only where SGLang caches a request.
-        self.anchor_capture: Optional["AnchorCapture"] = None
 
     @staticmethod
     def slots_for_memory(mamba_pool, memory_bytes: int) -> int:
@@ -129,6 +123,12 @@ class StateCheckpointPool:
 
     def free_slot_ids(self) -> Sequence[int]:
         return self.allocator.free_slots.tolist()
+
+    def is_allocated(self, slots: torch.Tensor) -> bool:
+        """Whether every one of ``slots`` is a slot of this pool that ``alloc`` handed out."""
+        slots = slots.view(-1).to(torch.int64)
+        in_range = bool(((slots >= 1) & (slots <= self.num_slots)).all())
+        return in_range and not bool(torch.isin(slots, self.allocator.free_slots.to(slots.device)).any())
 
     def clear(self) -> None:
         self.allocator.clear()

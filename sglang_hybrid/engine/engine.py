@@ -3,19 +3,20 @@
 It answers one question end to end: does serving a request from a restored checkpoint
 give the same logits and tokens as computing it from scratch? Everything that is cached,
 matched, restored and evicted is decided by SGLang's pools and the real
-``SemanticStateCache`` (built through the registry by ``build_tree_cache`` and driven with
-the scheduler's steps by ``SchedulerDriver``); the engine only runs the model and moves
-states between the model's cache objects and the pool slots the cache hands out.
+``SemanticStateCache`` (built through the registry by ``build_tree_cache``, planning
+included, and driven with a server's steps by ``RequestLifecycle``); the engine only runs the
+model and moves states between the model's cache objects and the pool slots the cache hands
+out.
 
-Per request (cached): admit (match) -> ``AnchorCapture`` stages a checkpoint slot at each
-depth the request gets (its explicit positions, or with a planner what the planner chooses
-from what matched) -> copy-on-write of the matched checkpoint into the request's live state
-slot -> rebuild the model cache from that slot and the KV of the restored prefix -> prefill
-the rest of the prompt in segments ending at the staged depths, writing the state at each
-into its slot -> decode -> write the final state into the live slot and the new KV into the
-request's KV slots -> finish (insert into the tree, snapshot the live slot as the end
-checkpoint). A server takes the same steps, with the segments' states captured inside one
-forward instead (runtime/).
+Per request (cached): admit (match) -> start (copy-on-write of the matched checkpoint into the
+request's live state slot; the cache stages a checkpoint slot at each depth its planning
+gives: the request's explicit positions, or with the adaptive planner what it chooses from
+what matched) -> rebuild the model cache from the live slot and the KV of the restored
+prefix -> prefill the rest of the prompt in segments ending at the staged depths, writing the
+state at each into its slot -> decode -> write the final state into the live slot and the new
+KV into the request's KV slots -> finish (insert into the tree, snapshot the live slot as the
+end checkpoint, the planner learns what the request left). A server takes the same steps,
+with the segments' states captured inside one forward instead (runtime/).
 """
 
 from __future__ import annotations
@@ -25,17 +26,13 @@ from array import array
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
-import numpy as np
 import torch
 from transformers import DynamicCache
 
-from sglang_hybrid.anchors.detector import AnchorDetector
-from sglang_hybrid.anchors.hints import validate_hints
-from sglang_hybrid.anchors.planner import CheckpointPlanner
-from sglang_hybrid.cache.standalone import SchedulerDriver, build_tree_cache
-from sglang_hybrid.runtime.anchor_capture import AnchorCapture
-from sglang_hybrid.config import SemanticCacheConfig
+from sglang_hybrid.config import DEFAULT_CHECKPOINT_SLOTS, SemanticCacheConfig
 from sglang_hybrid.engine.state_bridge import HybridStateBridge
+from sglang_hybrid.harness.lifecycle import RequestLifecycle
+from sglang_hybrid.harness.pools import build_tree_cache
 
 
 @dataclass(frozen=True)
@@ -50,7 +47,7 @@ class EngineRequest:
     # answer) instead of the greedy ones; ``output_len`` is then ignored.
     forced_output: Optional[tuple[int, ...]] = None
     # Conversation the request belongs to, for a planner that learns per session.
-    session: str = ""
+    session: Optional[str] = None
 
     @property
     def num_output_tokens(self) -> int:
@@ -81,36 +78,33 @@ class CpuHybridEngine:
         self,
         model,
         *,
-        checkpoint_slots: int = 64,
+        checkpoint_slots: int = DEFAULT_CHECKPOINT_SLOTS,
         kv_size: int = 1 << 16,
         max_num_reqs: int = 4,
         max_context_len: int = 1 << 15,
-        planner: Optional[CheckpointPlanner] = None,
-        detector: Optional[AnchorDetector] = None,
+        checkpoint_planner: str = "none",
+        anchor_template_family: str = "chatml",
     ):
-        """``planner``: checkpoint depths beyond the requests' explicit positions, planned
-        (and eviction valued) by it; ``detector`` gives it the anchors (default ChatML, what
-        the replay's converters render)."""
+        """``checkpoint_planner`` (``--checkpoint-planner``): "adaptive" plans (and values
+        for eviction) checkpoint depths beyond the requests' explicit positions, from the
+        anchors of ``anchor_template_family`` (default ChatML, what the replay's converters
+        render); "none" takes the explicit positions only."""
         self.model = model
         self.vocab_size = model.config.vocab_size
         self.bridge = HybridStateBridge(model.config)
         spec = self.bridge.pool_spec(
             kv_size=kv_size, max_num_reqs=max_num_reqs, max_context_len=max_context_len
         )
-        tree = build_tree_cache(
-            "semantic", spec, config=SemanticCacheConfig(state_checkpoint_slots=checkpoint_slots)
+        config = SemanticCacheConfig(
+            state_checkpoint_slots=checkpoint_slots,
+            checkpoint_planner=checkpoint_planner,
+            anchor_template_family=anchor_template_family,
         )
-        self.driver = SchedulerDriver(tree)
-        self.capture = AnchorCapture(
-            tree.cache,
-            detector or AnchorDetector.for_family("chatml"),
-            "adaptive" if planner is not None else "none",
-            planner,
-        )
+        self.lifecycle = RequestLifecycle(build_tree_cache("semantic", spec, config=config))
 
     @property
     def cache(self):
-        return self.driver.cache
+        return self.lifecycle.cache
 
     def run(
         self,
@@ -145,32 +139,22 @@ class CpuHybridEngine:
     @torch.no_grad()
     def serve_cached(self, request: EngineRequest) -> EngineResult:
         started = time.perf_counter()
-        driver, prompt = self.driver, request.prompt
+        lifecycle, prompt = self.lifecycle, request.prompt
         # The scheduler reserves KV for prompt + output at admission; the output ids are
         # filled in below as they are decoded, before the request is inserted.
-        req = driver.new_request(prompt, [0] * request.num_output_tokens)
-        match = driver.admit(req)
-        restored = match.device_prefix_len
-        # The copy-on-write below moves the matched slot into the live one: read it first.
-        source = req.kv.mamba_cow_src_index
-        hint = (
-            validate_hints(list(request.checkpoint_positions), len(prompt))
-            if request.checkpoint_positions
-            else None
-        )
-        staged = self.capture.plan_request(
-            req,
+        req = lifecycle.new_request(
+            prompt,
+            [0] * request.num_output_tokens,
+            hint=list(request.checkpoint_positions) or None,
             session=request.session,
-            prompt=np.asarray(prompt, dtype=np.int64),
-            restored_slot=int(source) if source is not None and restored > 0 else None,
-            hint=hint,
         )
-        driver.run_copy_on_write(req)
+        restored = lifecycle.admit(req).device_prefix_len
+        lifecycle.start([req])
         row = req.kv.req_pool_idx
         total = len(req.full_untruncated_fill_ids)
-        kv_indices = driver.t.req_to_token_pool.req_to_token[row, :total].long()
-        kv_pool = driver.t.allocator.get_kvcache()
-        live_state = driver.t.mamba_pool.mamba_cache
+        kv_indices = lifecycle.tree.req_to_token_pool.req_to_token[row, :total].long()
+        kv_pool = lifecycle.tree.allocator.get_kvcache()
+        live_state = lifecycle.tree.mamba_pool.mamba_cache
         live_slot = int(req.kv.mamba_pool_idx)
 
         if restored > 0:
@@ -180,7 +164,7 @@ class CpuHybridEngine:
         else:
             model_cache = DynamicCache(config=self.model.config)
 
-        checkpoints = [(depth, int(slot)) for depth, slot in staged]
+        checkpoints = [(depth, checkpoint.slot) for depth, checkpoint in self.cache.staged_checkpoints(req)]
         slot_at_depth = dict(checkpoints)
         pool = self.cache.checkpoint_pool
         start = restored
@@ -198,9 +182,8 @@ class CpuHybridEngine:
         req.full_untruncated_fill_ids = array("q", [*prompt, *fed])
         self.bridge.store_state(model_cache, live_state.conv, live_state.temporal, live_slot)
         self.bridge.store_kv(model_cache, kv_pool, kv_indices[restored:], start=restored)
-        driver.finish(req)
         # The engine feeds every output token back: the tree holds prompt + output.
-        self.capture.request_finished(request.session, [*prompt, *fed], len(prompt))
+        lifecycle.finish(req)
         return EngineResult(
             prompt_logits=logits,
             greedy_ids=greedy,

@@ -22,9 +22,7 @@ from typing import Sequence
 import torch
 from transformers import DynamicCache, PretrainedConfig
 
-from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateDType, Mamba2StateShape
-
-from sglang_hybrid.cache.standalone import HybridPoolSpec
+from sglang_hybrid.harness.pools import HybridPoolSpec, hybrid_pool_spec
 
 
 @dataclass(frozen=True)
@@ -62,14 +60,13 @@ class HybridStateBridge:
     def attention_layer_ids(self) -> list[int]:
         return [i for i, kind in enumerate(self.config.layer_types) if kind == "full_attention"]
 
-    def _state_shape(self) -> Mamba2StateShape:
-        """The state shape SGLang derives for this model (as its own model configs do)."""
+    def _state_dims(self) -> dict[str, object]:
+        """The recurrent state's dimensions as SGLang derives them (as its own model configs do)."""
         c = self.config
         if c.model_type == "qwen3_next":
             key_dim = c.linear_key_head_dim * c.linear_num_key_heads
             value_dim = c.linear_value_head_dim * c.linear_num_value_heads
-            return Mamba2StateShape.create(
-                tp_world_size=1,
+            return dict(
                 intermediate_size=value_dim,
                 n_groups=c.linear_num_key_heads,
                 num_heads=c.linear_num_value_heads,
@@ -80,8 +77,7 @@ class HybridStateBridge:
             )
         if c.model_type == "nemotron_h":
             # As SGLang's NemotronHConfig.mamba2_cache_params: the Mamba width is heads x head_dim.
-            return Mamba2StateShape.create(
-                tp_world_size=1,
+            return dict(
                 intermediate_size=c.mamba_num_heads * c.mamba_head_dim,
                 n_groups=c.n_groups,
                 num_heads=c.mamba_num_heads,
@@ -89,8 +85,7 @@ class HybridStateBridge:
                 state_size=c.ssm_state_size,
                 conv_kernel=c.conv_kernel,
             )
-        return Mamba2StateShape.create(
-            tp_world_size=1,
+        return dict(
             intermediate_size=int(c.mamba_expand * c.hidden_size),
             n_groups=c.mamba_n_groups,
             num_heads=c.mamba_n_heads,
@@ -99,19 +94,14 @@ class HybridStateBridge:
             conv_kernel=c.mamba_d_conv,
         )
 
-    def cache_params(self) -> Mamba2CacheParams:
-        shape = self._state_shape()
-        # fp32 conv and temporal state: a restored state must be bit-equal to the computed one.
-        dtype = Mamba2StateDType(conv=torch.float32, temporal=torch.float32)
-        return Mamba2CacheParams(shape=shape, layers=self.linear_layer_ids, dtype=dtype)
-
     def pool_spec(self, *, kv_size: int, max_num_reqs: int, max_context_len: int) -> HybridPoolSpec:
-        return HybridPoolSpec(
-            cache_params=self.cache_params(),
-            full_attention_layer_ids=tuple(self.attention_layer_ids),
+        # fp32 conv and temporal state: a restored state must be bit-equal to the computed one.
+        return hybrid_pool_spec(
+            recurrent_layers=self.linear_layer_ids,
+            attention_layers=self.attention_layer_ids,
+            **self._state_dims(),
             kv_head_num=self.config.num_key_value_heads,
             kv_head_dim=self.kv_head_dim,
-            kv_dtype=torch.float32,
             kv_size=kv_size,
             max_num_reqs=max_num_reqs,
             max_context_len=max_context_len,

@@ -29,7 +29,6 @@ from typing import Any, Callable, Sequence
 import numpy as np
 from tqdm import tqdm
 
-from ..anchors.planner import CheckpointPlanner
 from ..engine.engine import CpuHybridEngine, EngineRequest, EngineResult
 from ..engine.tiny_models import tiny_granite_moe_hybrid, tiny_nemotron_h, tiny_qwen3_next
 from .report import distribution
@@ -106,7 +105,7 @@ def serve_trace(trace: Trace, *, budget_slots: int, model: str = DEFAULT_MODEL,
         max_num_reqs=2,
         max_context_len=max(sequence_lengths) + 1,
         # The planner's budget is the cache's checkpoint pool (its free slots at each admission).
-        planner=CheckpointPlanner(),
+        checkpoint_planner="adaptive",
     )
     pairs, slots_peak = [], 0
     for request in tqdm(requests, unit="req", desc=f"engine {model}", disable=not progress):

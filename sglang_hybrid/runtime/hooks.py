@@ -1,9 +1,9 @@
 """Hooks that make SGLang's prefill capture the planned anchor states, registered by the plugin.
 
 * ``ScheduleBatch.prepare_for_extend`` (scheduler, before each prefill forward): the batch's
-  new requests are planned and the forward's capture queries set (``AnchorCapture``). The
-  copy-on-write source of a restored request is read before SGLang clears it: it names the
-  checkpoint the request continues from.
+  new requests are planned and the forward's capture queries set
+  (``anchor_capture.plan_around_prepare``, the step a request served outside a server takes
+  too).
 * ``GDNAttnBackend.forward_extend`` (every Gated DeltaNet layer of that forward): before the
   layer's convolution overwrites the entering conv states, the conv state at each queried
   position is gathered from the pre-conv inputs (``conv_state_at_positions``); the layer then
@@ -18,7 +18,7 @@ for the cost of one partial-chunk recurrence per anchor. The scheduler and the m
 share a process (SGLang's TP worker runs in the scheduler process; ``no_buffer`` requires
 the overlap scheduler off), which is what lets the forward read what the scheduler planned.
 Models whose recurrent layers are not Gated DeltaNet get no in-prefill captures (the plugin
-does not create an ``AnchorCapture`` for them); they keep the request-end checkpoints.
+builds their cache without a planning); they keep the request-end checkpoints.
 """
 
 from __future__ import annotations
@@ -29,11 +29,11 @@ from typing import TYPE_CHECKING, Optional
 import torch
 import torch.nn.functional as F
 
-from sglang_hybrid.anchors.hints import CHECKPOINT_HINT_PARAM, SESSION_PARAM, validate_hints
 from sglang_hybrid.kernels import conv_state_at_positions, gdn_state_at_positions
+from sglang_hybrid.runtime.anchor_capture import layer_captured, plan_around_prepare, queries_for_forward
 
 if TYPE_CHECKING:
-    from sglang_hybrid.runtime.anchor_capture import AnchorCapture, CaptureQueries
+    from sglang_hybrid.runtime.anchor_capture import CaptureQueries
 
 PREPARE_FOR_EXTEND_TARGET = "sglang.srt.managers.schedule_batch.ScheduleBatch.prepare_for_extend"
 GDN_FORWARD_EXTEND_TARGET = (
@@ -49,39 +49,8 @@ L2NORM_EPS = 1e-6
 _layer_capture = threading.local()
 
 
-def _anchor_capture_of(req_to_token_pool) -> Optional["AnchorCapture"]:
-    # Set on the semantic backend's checkpoint pool; SGLang's own pools have none.
-    checkpoints = getattr(req_to_token_pool, "mamba_ckpt_pool", None)
-    return getattr(checkpoints, "anchor_capture", None)
-
-
-def _custom_params(req) -> dict:
-    return getattr(req.sampling_params, "custom_params", None) or {}
-
-
-def _request_hint(req):
-    custom_params = _custom_params(req)
-    if CHECKPOINT_HINT_PARAM not in custom_params:
-        return None
-    # Already validated (and made canonical) where the request was tokenized.
-    return validate_hints(custom_params[CHECKPOINT_HINT_PARAM], len(req.origin_input_ids))
-
-
 def plan_captures_around_prepare_for_extend(original, batch, *args, **kwargs):
-    capture = _anchor_capture_of(batch.req_to_token_pool)
-    if capture is None:
-        return original(batch, *args, **kwargs)
-    restored_slots = [
-        None if req.kv.mamba_cow_src_index is None else int(req.kv.mamba_cow_src_index)
-        for req in batch.reqs
-    ]
-    result = original(batch, *args, **kwargs)
-    capture.prepare_forward(
-        batch.reqs,
-        restored_slots,
-        [_request_hint(req) for req in batch.reqs],
-        [_custom_params(req).get(SESSION_PARAM) for req in batch.reqs],
-    )
+    result, _ = plan_around_prepare(batch.tree_cache, batch.reqs, lambda: original(batch, *args, **kwargs))
     return result
 
 
@@ -120,7 +89,7 @@ def capture_around_gdn_forward_extend(
         output = run_layer()
     finally:
         _layer_capture.target = None
-    checkpoints.anchor_capture.layer_captured(layer_index)
+    layer_captured(checkpoints, layer_index)
     return output
 
 
@@ -151,17 +120,17 @@ def _queries_for(backend, forward_batch) -> Optional["CaptureQueries"]:
         or forward_batch.extend_prefix_lens_cpu is None
     ):
         return None
-    capture = _anchor_capture_of(backend.req_to_token_pool)
-    if capture is None:
+    checkpoints = getattr(backend.req_to_token_pool, "mamba_ckpt_pool", None)
+    if checkpoints is None:
         return None
-    return capture.queries_for_forward(
-        forward_batch.extend_prefix_lens_cpu, forward_batch.extend_seq_lens_cpu
+    return queries_for_forward(
+        checkpoints, forward_batch.extend_prefix_lens_cpu, forward_batch.extend_seq_lens_cpu
     )
 
 
 def install_anchor_capture_hooks() -> None:
     """Register the hooks in this process; effective once SGLang's ``load_plugins`` applies
-    hooks. They do nothing for a tree cache without an ``anchor_capture``."""
+    hooks. They do nothing for a tree cache that plans no checkpoints."""
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     HookRegistry.register(

@@ -1,11 +1,13 @@
-"""`semantic`: our policy, replayed through the real cache.
+"""`semantic`: our policy, replayed through the real cache and the server's request lifecycle.
 
-Every request goes through a ``SemanticStateCache`` built by SGLang's registry and driven the
-way SGLang's scheduler drives it (``SchedulerDriver``): admission match with copy-on-write
-restore, the ``CheckpointPlanner``'s checkpoints staged during the request by the server's own
-planning step (``AnchorCapture``: prompt and tree known, output not yet), insert of the
-request with its final state on finish, evictions by the cache itself with the planner as
-its ``eviction_scorer``. The reported reuse is what the cache restored.
+Every request goes through a ``SemanticStateCache`` built by SGLang's registry and the
+plugin's factory (planning included, from the config, as on a server) and driven with the
+steps a server takes (``harness.lifecycle.RequestLifecycle``): admission match with
+copy-on-write restore; the checkpoints the ``CheckpointPlanner`` plans from what a server knows
+at the first prefill forward (prompt and tree, not the output), staged by the cache; insert
+of the request with its final state on finish, the planner learning from it in the cache's
+release; evictions by the cache itself, valued by the planner. The reported reuse is what the
+cache restored.
 
 The state layout is one tiny recurrent layer (copies cost nothing; the budget is a slot
 count), and the KV pool is sized so it never evicts on the traces we replay, matching the
@@ -26,73 +28,59 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-import numpy as np
-
-from ...anchors.detector import AnchorDetector
-from ...anchors.hints import validate_hints
-from ...anchors.planner import CheckpointPlanner
-from ...runtime.anchor_capture import AnchorCapture
 from . import register_policy
 from .base import Policy, ReplayStep, ServeOutcome
 
 if TYPE_CHECKING:
-    from ...cache.standalone import HybridPoolSpec
+    from ...anchors.planner import CheckpointPlanner
+    from ...harness.pools import HybridPoolSpec
 
 # Distinct tokens of the replayed traces: tau-bench airline 0.7M append-only, 1.6M under the
 # aider emulator; SWE-agent 0.03M. Every KV free concatenates the allocator's free list, so a
 # pool much larger than needed slows the replay down.
 DEFAULT_KV_TOKENS = 1 << 21
 DEFAULT_MAX_CONTEXT = 1 << 18
+# The replay's converters render with ChatML/Qwen3 templates and the Qwen3 tokenizer.
+REPLAY_TEMPLATE_FAMILY = "chatml"
 
 
 def tiny_state_spec(kv_tokens: int = DEFAULT_KV_TOKENS, max_context: int = DEFAULT_MAX_CONTEXT) -> "HybridPoolSpec":
     """Pools for replay: one recurrent and one attention layer, a few bytes per state and per
     token, so a checkpoint copy is negligible and millions of KV tokens fit in memory."""
     import torch
-    from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateDType, Mamba2StateShape
 
-    from ...cache.standalone import HybridPoolSpec
+    from ...harness.pools import hybrid_pool_spec
 
-    shape = Mamba2StateShape.create(
-        tp_world_size=1, intermediate_size=2, n_groups=1, num_heads=1, head_dim=2, state_size=1, conv_kernel=2,
-    )
-    params = Mamba2CacheParams(
-        shape=shape, layers=[0], dtype=Mamba2StateDType(conv=torch.bfloat16, temporal=torch.float32)
-    )
-    return HybridPoolSpec(
-        cache_params=params,
-        full_attention_layer_ids=(1,),
-        kv_head_num=1,
-        kv_head_dim=1,
-        kv_dtype=torch.bfloat16,
-        kv_size=kv_tokens,
-        max_num_reqs=2,
-        max_context_len=max_context,
-    )
+    return hybrid_pool_spec(
+        recurrent_layers=[0], attention_layers=[1],
+        intermediate_size=2, num_heads=1, head_dim=2, state_size=1, conv_kernel=2,
+        conv_dtype=torch.bfloat16, kv_head_dim=1, kv_dtype=torch.bfloat16,
+        kv_size=kv_tokens, max_num_reqs=2, max_context_len=max_context,
+    )  # fmt: skip
 
 
 class SemanticPolicy(Policy):
     name = "semantic"
 
-    def __init__(self, budget_slots, profile, *, host_slots: int = 0, detector: AnchorDetector | None = None,
-                 spec: "HybridPoolSpec | None" = None):
+    def __init__(self, budget_slots, profile, *, host_slots: int = 0, spec: "HybridPoolSpec | None" = None):
         super().__init__(budget_slots, profile)
         # Importing SGLang takes seconds; only a replay that uses this policy pays for it.
-        from ...cache.standalone import SchedulerDriver, build_tree_cache
         from ...config import SemanticCacheConfig
+        from ...harness.lifecycle import RequestLifecycle
+        from ...harness.pools import build_tree_cache
 
-        # The replay's converters render with ChatML/Qwen3 templates and the Qwen3 tokenizer.
-        self.detector = detector or AnchorDetector.for_family("chatml")
-        self.under_test = build_tree_cache(
-            "semantic", spec or tiny_state_spec(),
-            config=SemanticCacheConfig(state_checkpoint_slots=budget_slots, state_checkpoint_host_slots=host_slots),
+        config = SemanticCacheConfig(
+            state_checkpoint_slots=budget_slots,
+            state_checkpoint_host_slots=host_slots,
+            anchor_template_family=REPLAY_TEMPLATE_FAMILY,
         )
-        self.driver = SchedulerDriver(self.under_test)
-        self.cache = self.under_test.cache
-        self.planner = CheckpointPlanner()
-        # The server's planning step (runtime/): what a server knows when it plans a prefill.
-        self.capture = AnchorCapture(self.cache, self.detector, "adaptive", self.planner)
+        self.lifecycle = RequestLifecycle(build_tree_cache("semantic", spec or tiny_state_spec(), config=config))
+        self.cache = self.lifecycle.cache
         self.kv_tokens_evicted = 0
+
+    @property
+    def planner(self) -> "CheckpointPlanner":
+        return self.cache.planning.planner
 
     @property
     def slots_in_use(self) -> int:
@@ -102,24 +90,17 @@ class SemanticPolicy(Policy):
         request = step.request
         prompt = request.input_ids
         kept_output = request.output_ids[:-1]
-        req = self.driver.new_request(prompt.tolist(), kept_output.tolist())
+        req = self.lifecycle.new_request(
+            prompt.tolist(), kept_output.tolist(), hint=request.anchors or None, session=request.session
+        )
         self._reserve_kv(len(prompt) + len(kept_output))
         host_restores_before = self.cache.stats.restored_from_host
-        result = self.driver.admit(req)
-        restored_from_host = self.cache.stats.restored_from_host > host_restores_before
-        restored = int(result.device_prefix_len)
-        source = req.kv.mamba_cow_src_index
-        restored_slot = int(source) if source is not None and restored > 0 else None
-        self.driver.run_copy_on_write(req)
-
-        hint = validate_hints(request.anchors, len(prompt)) if request.anchors else None
         taken_before = self.cache.stats.taken
+        restored = int(self.lifecycle.admit(req).device_prefix_len)
+        restored_from_host = self.cache.stats.restored_from_host > host_restores_before
         # The replay checks placement, not numerics: the staged slots' content is not written.
-        self.capture.plan_request(
-            req, session=request.session, prompt=prompt, restored_slot=restored_slot, hint=hint
-        )
-        self.driver.finish(req)
-        self.capture.request_finished(request.session, np.concatenate([prompt, kept_output]), len(prompt))
+        self.lifecycle.start([req])
+        self.lifecycle.finish(req)
         self._note_usage()
         return ServeOutcome(len(prompt), restored, len(prompt) - restored,
                             self.cache.stats.taken - taken_before, restored, restored_from_host)
@@ -129,7 +110,7 @@ class SemanticPolicy(Policy):
     def _reserve_kv(self, tokens: int) -> None:
         from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 
-        allocator = self.under_test.allocator
+        allocator = self.lifecycle.tree.allocator
         missing = tokens - allocator.available_size()
         if missing > 0:
             self.cache.evict(EvictParams(num_tokens=missing))

@@ -1,0 +1,118 @@
+"""AnchorPlanning: the semantic cache's ``CheckpointPlanning``, from anchors and a mode.
+
+Built by the backend factory from the config (``plugin.py``) and given to the cache at
+construction; the cache makes every call (``cache/planning.py``). Per request it detects the
+prompt's anchors and picks depths by ``mode``:
+
+* ``adaptive``: the ``CheckpointPlanner`` weighs the client's hint with its own candidates
+  (learned edit points, branch points, shared paths), values held checkpoints for eviction
+  when ``evict_by_value``, and learns from what each finished request left in the tree;
+* ``messages``: every message start past the restored prefix, as slots allow;
+* ``none``: nothing but what the client's hint asks for.
+
+A request belongs to the session its client named, else to the session whose checkpoint it
+restored (an agent's next call continues from its previous call's state), else to itself.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import numpy as np
+
+from sglang_hybrid.anchors.detector import AnchorDetector, AnchorKind
+from sglang_hybrid.anchors.hints import HintMode
+from sglang_hybrid.anchors.planner import CheckpointPlanner, Purpose, RequestContext
+from sglang_hybrid.cache.planning import CheckpointId, RequestToPlan
+
+
+class AnchorPlanning:
+    def __init__(
+        self,
+        detector: AnchorDetector,
+        mode: str,
+        planner: Optional[CheckpointPlanner] = None,
+        evict_by_value: bool = True,
+    ):
+        if (mode == "adaptive") != (planner is not None):
+            raise ValueError("the adaptive mode, and only it, plans with a CheckpointPlanner")
+        self.detector = detector
+        self.mode = mode
+        self.planner = planner
+        self.evicts_by_value = planner is not None and evict_by_value
+        # rid -> session, and depth -> purpose of what was planned for it, until it leaves.
+        self._sessions: dict[str, str] = {}
+        self._purposes: dict[str, dict[int, Purpose]] = {}
+
+    def plan(self, request: RequestToPlan) -> list[int]:
+        session = request.session or self._session_of(request.restored) or request.rid
+        self._sessions[request.rid] = session
+        wanted = self._wanted(session, request)
+        self._purposes[request.rid] = dict(wanted)
+        return [depth for depth, _ in wanted]
+
+    def _wanted(self, session: str, request: RequestToPlan) -> list[tuple[int, Purpose]]:
+        hint = request.hint
+        prompt_len = int(request.prompt.shape[0])
+        if self.planner is not None:
+            # The adaptive planner weighs a client's hint together with its own candidates.
+            plan = self.planner.plan(RequestContext(
+                session=session,
+                prompt_ids=request.prompt,
+                anchors=self.detector.detect(request.prompt),
+                tree_lcp=request.tree_lcp,
+                held_depths=request.held_depths,
+                restored_depth=request.restored_depth,
+                restored=request.restored,
+                free_slots=request.free_slots,
+                hint=hint,
+            ))  # fmt: skip
+            return [(c.depth, c.purpose) for c in plan.checkpoints]
+        mode = hint.mode if hint is not None else None
+        if mode is HintMode.NONE or (mode is None and self.mode == "none"):
+            return []
+        if mode is HintMode.EXPLICIT:
+            depths = hint.positions.tolist()
+        elif mode is HintMode.MESSAGES or self.mode == "messages":
+            depths = np.unique(self.detector.detect(request.prompt).of_kind(AnchorKind.MESSAGE_START)).tolist()
+        else:
+            return []
+        return [(int(d), Purpose.HINT) for d in depths if request.restored_depth < d <= prompt_len]
+
+    def _session_of(self, restored: Optional[CheckpointId]) -> Optional[str]:
+        if self.planner is None or restored is None:
+            return None
+        record = self.planner.records.get(restored)
+        return record.session if record is not None else None
+
+    def staged(self, rid: str, depth: int, checkpoint: CheckpointId) -> None:
+        if self.planner is not None:
+            self.planner.record_checkpoint(checkpoint, self._sessions[rid], depth, self._purposes[rid][depth])
+
+    def value(self, checkpoint: CheckpointId, depth: int) -> float:
+        return self.planner.value(checkpoint, depth)
+
+    def moved(self, old: CheckpointId, new: CheckpointId) -> None:
+        if self.planner is not None:
+            self.planner.move_record(old, new)
+
+    def finished(
+        self,
+        rid: str,
+        cached: np.ndarray,
+        prompt_len: int,
+        end: Optional[CheckpointId],
+        free: Sequence[CheckpointId],
+    ) -> None:
+        session = self._sessions.get(rid)
+        if self.planner is None or session is None or session not in self.planner.sessions:
+            return
+        anchors = self.detector.detect(cached[:prompt_len], cached[prompt_len:])
+        self.planner.request_finished(session, cached, anchors)
+        if end is not None:
+            self.planner.record_checkpoint(end, session, len(cached), Purpose.CONTINUATION)
+        self.planner.forget(free)
+
+    def released(self, rid: str) -> None:
+        self._sessions.pop(rid, None)
+        self._purposes.pop(rid, None)

@@ -1,0 +1,294 @@
+"""SemanticMambaComponent: the MAMBA tree component whose node values are checkpoint slots.
+
+SGLang's ``MambaComponent`` keeps a live request slot per node and evicts a state together with
+its node's KV. This one keeps ``StateCheckpointPool`` slots and
+
+* refreshes a checkpoint's recency only when a request restores from it, not on probe matches;
+* evicts a checkpoint alone, keeping its KV matchable (a tombstone), choosing the least
+  recently restored one or, when the cache's planning evicts by value, the one worth least;
+* with a host tier, demotes a device victim to host memory instead of dropping it, and
+  promotes it back in the match that restores from it (or restores straight from the host
+  when no device slot can be had). The node keeps no device value meanwhile; its host slot is
+  kept here, by node id.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import TYPE_CHECKING, Optional
+
+import torch
+
+from sglang.srt.mem_cache.base_prefix_cache import InsertParams, InsertResult, MatchPrefixParams, MatchResult
+from sglang.srt.mem_cache.unified_cache.components.base import (
+    ComponentType,
+    EvictLayer,
+    LRURefreshPhase,
+    get_and_increase_time_counter,
+)
+from sglang.srt.mem_cache.unified_cache.components.mamba import MambaComponent
+
+from sglang_hybrid.cache.checkpoint_pool import StateCheckpointPool
+from sglang_hybrid.cache.planning import CheckpointId
+
+if TYPE_CHECKING:
+    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+    from sglang.srt.mem_cache.unified_radix_cache import UnifiedTreeNode
+
+    from sglang_hybrid.cache.semantic_cache import SemanticStateCache
+
+MAMBA = ComponentType.MAMBA
+
+
+class SemanticMambaComponent(MambaComponent):
+    """The MAMBA tree component whose node values are ``StateCheckpointPool`` slots."""
+
+    def __init__(self, cache: "SemanticStateCache", params: "CacheInitParams"):
+        super().__init__(cache, params)
+        if not isinstance(self.int8_ckpt_pool, StateCheckpointPool):
+            raise TypeError(
+                "SemanticMambaComponent needs a StateCheckpointPool installed as "
+                "req_to_token_pool.mamba_ckpt_pool (the semantic backend factory does this)"
+            )
+        # True while this component tombstones its own eviction victim; a state dropped
+        # at any other time goes with its node's KV.
+        self._lru_victim_walk = False
+        # Checkpoints demoted to the host tier: node id -> host slot, and their recency.
+        self.host_slots: dict[int, torch.Tensor] = {}
+        self.host_lru: OrderedDict[int, "UnifiedTreeNode"] = OrderedDict()
+
+    @property
+    def checkpoint_pool(self) -> StateCheckpointPool:
+        return self.int8_ckpt_pool
+
+    def refresh_lru(self, phase, node, root_node) -> None:
+        # Probe matches (scheduling order, cache-aware routing) must not keep a checkpoint
+        # alive; the restore in finalize_match_result_in_cache refreshes the one it uses.
+        if phase is LRURefreshPhase.MATCH_END:
+            return
+        super().refresh_lru(phase, node, root_node)
+
+    def finalize_match_result_in_cache(
+        self, params: MatchPrefixParams, result: MatchResult
+    ) -> MatchResult:
+        restoring = params.cow_mamba and params.req is not None
+        node = self.tree_core.node_by_id(result.best_match_node)
+        from_host = restoring and node.id in self.host_slots
+        if from_host:
+            self._promote(node)
+        result = super().finalize_match_result_in_cache(params, result)
+        if not restoring:
+            return result
+        if node.id in self.host_slots:  # no device slot could be had: restore from host
+            self._restore_from_host(node, params.req)
+        stats = self.cache.stats
+        if node.component_data[MAMBA].value is not None or from_host:
+            if node.component_data[MAMBA].value is not None:
+                self.tree_core.lru_lists[MAMBA].reset_node_mru(node)
+            node.last_access_time = get_and_increase_time_counter()
+            stats.restored += 1
+            stats.restored_from_host += int(from_host)
+            stats.tokens_restored += result.device_prefix_len
+            stats.restored_depths.append(result.device_prefix_len)
+        stats.tokens_recomputed += max(0, len(params.req.origin_input_ids) - result.device_prefix_len)
+        self.cache.request_matched(params.req, result.device_prefix_len, result.full_kv_hit_length)
+        return result
+
+    # ---- host tier ----
+
+    @property
+    def host_tier(self):
+        return self.checkpoint_pool.host_tier
+
+    def create_match_validator(self, match_device_only: bool = False):
+        host_slots = self.host_slots
+        return lambda node: node.component_data[MAMBA].value is not None or node.id in host_slots
+
+    def node_has_component_data(self, node, target=EvictLayer.DEVICE) -> bool:
+        # A host-only checkpoint is data of this node: the KV cascade that deletes the node
+        # must reach evict_component so the host slot goes with it.
+        if target is EvictLayer.DEVICE and node.id in self.host_slots:
+            return True
+        return super().node_has_component_data(node, target)
+
+    def _demote(self, node: "UnifiedTreeNode", device_slot: torch.Tensor, value: Optional[float]) -> bool:
+        """Move a device victim's state to the host tier; False when the tier keeps none.
+
+        ``value`` is the victim's worth (None when eviction follows recency). A full tier
+        makes room by dropping its least valuable checkpoint, unless the victim is worth no
+        more than that one: then the victim is the one dropped.
+        """
+        tier = self.host_tier
+        if tier is None or tier.num_slots == 0:
+            return False
+        host_slot = tier.alloc()
+        if host_slot is None:
+            if not self._evict_host_checkpoint(value):
+                return False
+            host_slot = tier.alloc()
+        tier.demote(device_slot, host_slot)
+        self.host_slots[node.id] = host_slot
+        self.host_lru[node.id] = node
+        self.cache.stats.demoted += 1
+        self.cache.checkpoint_moved(CheckpointId.device(device_slot), CheckpointId.host(host_slot))
+        return True
+
+    def _evict_host_checkpoint(self, incoming_value: Optional[float]) -> bool:
+        """Drop the host checkpoint the planning values least (ties: the least recently
+        demoted or restored), or when eviction follows recency the least recent one; False,
+        dropping nothing, when none is worth less than ``incoming_value``."""
+        planning = self.cache.eviction_valuation
+        victim = None
+        if planning is None:
+            victim = next(iter(self.host_lru.values()))
+        else:
+            lowest = incoming_value
+            for node_id, node in self.host_lru.items():
+                value = planning.value(CheckpointId.host(self.host_slots[node_id]), node_depth(node))
+                if value < lowest:
+                    victim, lowest = node, value
+            if victim is None:
+                return False
+        self._drop_host_copy(victim)
+        self.cache.stats.host_evicted += 1
+        return True
+
+    def _promote(self, node: "UnifiedTreeNode") -> None:
+        # Taken out of the host tier first: making room on the device may demote another
+        # checkpoint and evict the host tier's least recent one, which must not be this one.
+        host_slot = self.host_slots.pop(node.id)
+        del self.host_lru[node.id]
+        device_slot = self.cache.alloc_checkpoint_slot()
+        if device_slot is None:
+            self.host_slots[node.id] = host_slot
+            self.host_lru[node.id] = node
+            return
+        self.host_tier.promote(host_slot, device_slot)
+        self.tree_core.set_component_device_value(node.id, MAMBA, device_slot)
+        self.cache.stats.promoted += 1
+        self.cache.checkpoint_moved(CheckpointId.host(host_slot), CheckpointId.device(device_slot))
+
+    def _restore_from_host(self, node: "UnifiedTreeNode", req: "Req") -> None:
+        pool = self.cache.req_to_token_pool
+        if not req.kv.holds_mamba:
+            live = pool.mamba_allocator.alloc(1)
+            if live is None:
+                raise RuntimeError("no live state slot for a restore: the scheduler over-admitted")
+            req.kv.mamba_pool_idx = live[0]
+        self.host_tier.load_to_active(self.host_slots[node.id], pool.mamba_pool, req.kv.mamba_pool_idx)
+        self.host_lru.move_to_end(node.id)
+        req.kv.mamba_cow_src_index = None
+        req.kv.mamba_needs_clear = False
+
+    def _drop_host_copy(self, node: "UnifiedTreeNode") -> None:
+        host_slot = self.host_slots.pop(node.id, None)
+        if host_slot is not None:
+            del self.host_lru[node.id]
+            self.host_tier.free(host_slot)
+
+    def _alloc_int8_ckpt_slot(self) -> Optional[torch.Tensor]:
+        return self.cache.alloc_checkpoint_slot()
+
+    def _commit_int8_checkpoint(self, active_slots: torch.Tensor) -> Optional[torch.Tensor]:
+        slot = self._alloc_int8_ckpt_slot()
+        if slot is None:
+            return None
+        self.checkpoint_pool.store_from_active(
+            self.cache.req_to_token_pool.mamba_pool, active_slots.view(-1), slot
+        )
+        return slot
+
+    def commit_insert_component_data(
+        self,
+        node: "UnifiedTreeNode",
+        is_new_leaf: bool,
+        params: InsertParams,
+        result: InsertResult,
+        cache_actions: list,
+    ) -> None:
+        if params.mamba_value is None:
+            # No slot could be had: the KV goes in without a state, the same as a node
+            # whose checkpoint was evicted.
+            return
+        had_value = node.component_data[MAMBA].value is not None
+        super().commit_insert_component_data(
+            node, is_new_leaf, params, result, cache_actions
+        )
+        if had_value:
+            self.cache.stats.duplicates += 1
+        else:
+            self.cache.stats.taken += 1
+            self._drop_host_copy(node)
+
+    def evict_component(
+        self, node, device_frees, host_frees, cache_actions, target=EvictLayer.DEVICE
+    ):
+        held = node.component_data[MAMBA].value is not None or node.id in self.host_slots
+        freed = super().evict_component(node, device_frees, host_frees, cache_actions, target)
+        if self._lru_victim_walk:
+            return freed
+        self._drop_host_copy(node)
+        if held:
+            self.cache.stats.dropped_with_kv += 1
+        return freed
+
+    def _evict_device_next_node(self, tracker, device_frees, host_frees, cache_actions):
+        """Tombstone one unlocked checkpoint, keeping its KV.
+
+        The stock walk deletes a leaf whole (KV included) when its state is the victim;
+        here a checkpoint victim only loses its slot and the KV stays matchable. The victim
+        is the least recently restored checkpoint, or, when the cache's planning evicts by
+        value, the one it values least (ties go to the least recent).
+        """
+        if tracker[MAMBA] >= self._evict_device_request_cnt:
+            return None
+        victim, value = self._pick_victim()
+        if victim is None:
+            return None
+        device_slot = victim.component_data[MAMBA].value
+        self._lru_victim_walk = True
+        try:
+            self.tree_core._evict_component_and_detach_lru(
+                victim,
+                self,
+                target=EvictLayer.DEVICE,
+                tracker=tracker,
+                device_frees=device_frees,
+                host_frees=host_frees,
+                cache_actions=cache_actions,
+            )
+        finally:
+            self._lru_victim_walk = False
+        if self._demote(victim, device_slot, value):
+            # The tier hands the device slot back once its copy is done, not the drain.
+            frees = device_frees[MAMBA]
+            del frees[next(i for i, v in enumerate(frees) if v is device_slot)]
+        else:
+            self.cache.stats.evicted += 1
+        self.tree_core._update_evictable_leaf_sets(victim)
+        return None
+
+    def _pick_victim(self) -> tuple[Optional["UnifiedTreeNode"], Optional[float]]:
+        """The device victim and its value (None when eviction follows recency)."""
+        lru = self.tree_core.lru_lists[MAMBA]
+        node = lru.get_lru_no_lock()
+        planning = self.cache.eviction_valuation
+        if planning is None:
+            return node, None
+        best, best_score = None, None
+        while node is not None:
+            score = planning.value(CheckpointId.device(node.component_data[MAMBA].value), node_depth(node))
+            if best_score is None or score < best_score:
+                best, best_score = node, score
+            node = lru.get_prev_no_lock(node)
+        return best, best_score
+
+
+def node_depth(node: "UnifiedTreeNode") -> int:
+    """Tokens from the root to the end of ``node``: the position its checkpoint holds."""
+    depth = 0
+    while node.parent is not None:
+        depth += len(node.key)
+        node = node.parent
+    return depth
