@@ -24,13 +24,9 @@ from prometheus_client import CollectorRegistry, generate_latest
 from sglang_hybrid.cache.stats import CheckpointStats
 from sglang_hybrid.metrics import CheckpointMetricsCollector
 from sglang_hybrid.replay.cli_replay import replay_main
-from sglang_hybrid.replay.server_backend import (
-    ServedRequest,
-    compare_with_sim,
-    metrics_summary,
-    parse_cache_metrics,
-    server_replay,
-)
+from sglang_hybrid.replay.prometheus import metrics_summary, parse_cache_metrics
+from sglang_hybrid.replay.server_backend import compare_with_sim, server_replay
+from sglang_hybrid.replay.server_client import ServedRequest
 from sglang_hybrid.replay.sim import run_replay
 from sglang_hybrid.replay.trace import Request, Trace, write_trace
 from tiny_server import SERVER_ON_CPU_HOST, SGLangServer, write_tiny_qwen3_next

@@ -21,7 +21,6 @@ at its input (``CpuHybridEngine``), so matching works on the real ids.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -31,7 +30,7 @@ from tqdm import tqdm
 
 from ..engine.engine import CpuHybridEngine, EngineRequest, EngineResult
 from ..engine.tiny_models import tiny_granite_moe_hybrid, tiny_nemotron_h, tiny_qwen3_next
-from .report import distribution
+from .results import distribution, policy_row, results_envelope, write_json, write_results
 from .trace import Request, Trace
 
 # Tiny random-weight models, by the name of the architecture they stand in for.
@@ -119,26 +118,24 @@ def serve_trace(trace: Trace, *, budget_slots: int, model: str = DEFAULT_MODEL,
 def summarize(pairs: Sequence[ServedPair], checkpoints_taken: int, slots_peak: int, model: str) -> dict[str, Any]:
     """The `semantic` policy's entry of results.json."""
     prompt_tokens = sum(len(p.request.input_ids) for p in pairs)
-    cached_tokens = sum(p.cached.restored_tokens for p in pairs)
     recomputed_tokens = sum(p.cached.computed_prompt_tokens for p in pairs)
     ttft = sum(p.cached.ttft_s for p in pairs)
     ttft_uncached = sum(p.uncached.ttft_s for p in pairs)
-    return {
-        "requests": len(pairs),
-        "prompt_tokens": prompt_tokens,
-        "cached_tokens": cached_tokens,
-        "recomputed_tokens": recomputed_tokens,
-        "hit_rate": cached_tokens / prompt_tokens if prompt_tokens else 0.0,
-        "checkpoints_taken": checkpoints_taken,
-        "checkpoint_slots_peak": slots_peak,
-        "ttft_s": distribution([p.cached.ttft_s for p in pairs]),
-        "exactness": {
+    return policy_row(
+        requests=len(pairs),
+        prompt_tokens=prompt_tokens,
+        cached_tokens=sum(p.cached.restored_tokens for p in pairs),
+        recomputed_tokens=recomputed_tokens,
+        checkpoints_taken=checkpoints_taken,
+        checkpoint_slots_peak=slots_peak,
+        ttft_s=[p.cached.ttft_s for p in pairs],
+        exactness={
             "requests_checked": len(pairs),
             "max_abs_logit_diff": max(p.logit_diff for p in pairs),
             "greedy_mismatches": sum(p.greedy_mismatches for p in pairs),
         },
-        "wall_s": sum(p.cached.wall_s for p in pairs),
-        "engine": {
+        wall_s=sum(p.cached.wall_s for p in pairs),
+        engine={
             "model": model,
             "wall_s_uncached": sum(p.uncached.wall_s for p in pairs),
             "ttft_s_uncached": distribution([p.uncached.ttft_s for p in pairs]),
@@ -149,7 +146,7 @@ def summarize(pairs: Sequence[ServedPair], checkpoints_taken: int, slots_peak: i
             "prefill_speedup": ttft_uncached / ttft if ttft else float("inf"),
             "token_ratio": prompt_tokens / recomputed_tokens if recomputed_tokens else float("inf"),
         },
-    }
+    )
 
 
 def summary_lines(name: str, row: dict[str, Any]) -> list[str]:
@@ -196,17 +193,12 @@ def engine_replay(trace: Trace, policies: Sequence[str], *, budget_slots: int, o
         raise ValueError(f"backend 'engine' serves {', '.join(ENGINE_POLICIES)} only, not {', '.join(unsupported)}")
     pairs, taken, slots_peak = serve_trace(trace, budget_slots=budget_slots, model=model, progress=progress)
     row = summarize(pairs, taken, slots_peak, model)
-    results = {
-        "trace": trace_name,
-        "backend": "engine",
-        "profile": profile,
-        "budget_slots": budget_slots,
-        "policies": {name: row for name in policies},
-    }
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
-    (out / "engine_requests.json").write_text(json.dumps([p.to_json() for p in pairs], indent=1) + "\n")
+    results = results_envelope(
+        trace=trace_name, backend="engine", profile=profile, budget_slots=budget_slots,
+        policies={name: row for name in policies},
+    )
+    out = write_results(out_dir, results)
+    write_json(out / "engine_requests.json", [p.to_json() for p in pairs], indent=1)
     _plot_ttft(out / "ttft_engine.png", pairs)
     report = [f"# Engine replay: {trace_name}", "",
               f"budget {budget_slots} checkpoint slots; cost profile `{profile}` unused (times are measured).", ""]

@@ -4,24 +4,11 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import numpy as np
 
 from .cost_model import CostProfile, MIB
-
-
-def distribution(values) -> Optional[dict[str, float]]:
-    """Mean and p50/p95/p99 of ``values``, as results.json reports a time; None without samples."""
-    samples = np.asarray(values, dtype=np.float64)
-    if samples.size == 0:
-        return None
-    return {
-        "mean": float(samples.mean()),
-        "p50": float(np.percentile(samples, 50)),
-        "p95": float(np.percentile(samples, 95)),
-        "p99": float(np.percentile(samples, 99)),
-    }
 
 
 def _ms(seconds: float) -> str:

@@ -17,7 +17,6 @@ whose TTFT carries the PCIe copy; without one they are exactly DESIGN.md's.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
@@ -27,7 +26,7 @@ from tqdm import tqdm
 from .cost_model import DEFAULT_PROFILE, CostProfile, get_profile
 from .policies import POLICIES, Policy, ServeOutcome, drive, make_policy
 from .policies.semantic import SemanticPolicy
-from .report import distribution
+from .results import policy_row, results_envelope, write_json, write_results
 from .trace import Trace, load_trace
 
 SWEEP_BUDGETS = (16, 64, 256)
@@ -54,20 +53,17 @@ class PolicyStats:
         self.ttft_s.append(ttft_s)
 
     def summary(self, host_tier: bool = False) -> dict[str, Any]:
-        """DESIGN.md's per-policy row; `host_tier` adds `host_restores`."""
-        row = {
-            "requests": len(self.ttft_s),
-            "prompt_tokens": self.prompt_tokens,
-            "cached_tokens": self.cached_tokens,
-            "recomputed_tokens": self.recomputed_tokens,
-            "hit_rate": self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0,
-            "checkpoints_taken": self.checkpoints_taken,
-            "checkpoint_slots_peak": self.policy.slots_peak,
-            "ttft_s": distribution(self.ttft_s),
-        }
-        if host_tier:
-            row["host_restores"] = self.host_restores
-        return row
+        """The policy's row of results.json; `host_tier` adds `host_restores`."""
+        return policy_row(
+            requests=len(self.ttft_s),
+            prompt_tokens=self.prompt_tokens,
+            cached_tokens=self.cached_tokens,
+            recomputed_tokens=self.recomputed_tokens,
+            checkpoints_taken=self.checkpoints_taken,
+            checkpoint_slots_peak=self.policy.slots_peak,
+            ttft_s=self.ttft_s,
+            **({"host_restores": self.host_restores} if host_tier else {}),
+        )
 
 
 def build_policy(name: str, budget_slots: int, profile: CostProfile, host_slots: int = 0) -> Policy:
@@ -161,18 +157,12 @@ def run_replay(
         raise ValueError("a model is only served by backend 'engine'")
     budgets = sorted({budget, *sweep_budgets})
     stats = simulate(loaded, policies, budgets, cost, progress, host_slots)
-    results = {
-        "trace": trace_name,
-        "backend": backend,
-        "profile": cost.name,
-        "budget_slots": budget,
-        **({"host_slots": host_slots} if host_slots else {}),
-        "policies": {name: stats[budget][name].summary(host_tier=bool(host_slots)) for name in policies},
-    }
+    results = results_envelope(
+        trace=trace_name, backend=backend, profile=cost.name, budget_slots=budget, host_slots=host_slots,
+        policies={name: stats[budget][name].summary(host_tier=bool(host_slots)) for name in policies},
+    )
     sweep = {str(b): {name: stats[b][name].summary(host_tier=bool(host_slots)) for name in policies} for b in budgets}
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
-    (out / "budget_sweep.json").write_text(json.dumps(sweep, indent=2) + "\n")
+    out = write_results(out_dir, results)
+    write_json(out / "budget_sweep.json", sweep)
     write_report(out, results, sweep, {name: stats[budget][name].ttft_s for name in policies}, cost, loaded.meta)
     return results
