@@ -16,20 +16,16 @@ from pathlib import Path
 
 import numpy as np
 
-from sglang_hybrid.replay import rendering
 from sglang_hybrid.anchors.detector import AnchorDetector
-
-REPO_ROOT = Path(__file__).resolve().parents[1]
-SHARED_DATA = REPO_ROOT / ".." / "shared" / "data"
-SWEAGENT_TRAJ = SHARED_DATA / "traces" / "sweagent_marshmallow-1867_fc_last_n_observations.traj"
+from sglang_hybrid.replay import rendering
+from sglang_hybrid.replay.shared_data import QWEN3_TEMPLATE, REPO_ROOT, SWE_AGENT_TRAJ
 
 
 def _source_rendering() -> tuple[str, str]:
-    template = SHARED_DATA / "qwen3.jinja"
-    if template.exists() and SWEAGENT_TRAJ.exists():
-        step = json.loads(SWEAGENT_TRAJ.read_text())["trajectory"][-1]["messages"]
+    if QWEN3_TEMPLATE.exists() and SWE_AGENT_TRAJ.exists():
+        step = json.loads(SWE_AGENT_TRAJ.read_text())["trajectory"][-1]["messages"]
         messages = [{k: m[k] for k in ("role", "content", "tool_calls") if k in m} for m in step]
-        return "sweagent_last_step_qwen3_template", rendering.render_chat(messages, template_path=template)
+        return "sweagent_last_step_qwen3_template", rendering.render_chat(messages, template_path=QWEN3_TEMPLATE)
     rng = np.random.default_rng(0)
     messages = [{"role": "system", "content": "You are a coding agent. " * 200}]
     for turn in range(60):

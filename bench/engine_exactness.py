@@ -30,13 +30,11 @@ from pathlib import Path
 import torch
 
 from sglang_hybrid.replay.cli_trace import convert_main, edit_main
-from sglang_hybrid.replay.engine_backend import MODELS
+from sglang_hybrid.engine.tiny_models import TINY_MODELS
+from sglang_hybrid.replay.shared_data import QWEN3_TEMPLATE, REPO_ROOT, SWE_AGENT_TRAJ, TAU_BENCH_AIRLINE
 from sglang_hybrid.replay.sim import run_replay
 
-ROOT = Path(__file__).resolve().parents[1]
-DATA = ROOT / ".." / "shared" / "data"
-TEMPLATE = DATA / "qwen3.jinja"
-OUT = ROOT / "results" / "bench"
+OUT = REPO_ROOT / "results" / "bench"
 LOGIT_TOLERANCE = 1e-5
 SPEEDUP_FRACTION = 0.8  # of the token ratio
 TAU_SESSIONS = 3
@@ -51,16 +49,16 @@ TRACES = {
 
 def prepare_traces(names: list[str], folder: Path) -> dict[str, Path]:
     folder.mkdir(parents=True, exist_ok=True)
-    template = ["--template", str(TEMPLATE)]
+    template = ["--template", str(QWEN3_TEMPLATE)]
     paths = {}
     tau = folder / "tau-bench.jsonl"
     if any(TRACES[name] is not None for name in names):
-        convert_main(["tau-bench", str(DATA / "traces" / "tau-bench_gpt-4o-airline.json"),
+        convert_main(["tau-bench", str(TAU_BENCH_AIRLINE),
                       "--limit", str(TAU_SESSIONS), "--out", str(tau), *template])
     for name in names:
         paths[name] = folder / f"{name}.jsonl"
         if TRACES[name] is None:
-            convert_main(["swe-agent", str(DATA / "traces" / "sweagent_marshmallow-1867_fc_last_n_observations.traj"),
+            convert_main(["swe-agent", str(SWE_AGENT_TRAJ),
                           "--out", str(paths[name]), *template])
         else:
             emulator, seed = TRACES[name]
@@ -119,7 +117,7 @@ def plot(path: Path, rows: dict[str, dict[str, dict]]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--models", default=",".join(TINY_MODELS))
     parser.add_argument("--traces", default=",".join(TRACES))
     args = parser.parse_args()
     models = [m for m in args.models.split(",") if m]

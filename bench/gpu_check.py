@@ -25,6 +25,8 @@ import torch
 import torch.nn.functional as F
 
 from sglang_hybrid.kernels import (
+    GDN_CHUNK_SIZE,
+    NEMOTRON_H_CHUNK_SIZE,
     conv_state_at_positions,
     copy_states,
     gdn_state_at_positions,
@@ -141,7 +143,7 @@ def bench_host_tier(num_layers: int, slots: int) -> None:
 # ----------------------------------------------------------------------------- GDN
 
 
-def torch_chunked_gdn(k, v, g, beta, q, chunk=64):
+def torch_chunked_gdn(k, v, g, beta, q, chunk=GDN_CHUNK_SIZE):
     """Chunked gated delta rule over equal-length sequences (B, T, H, D) in fp32.
 
     Returns (output, chunk-start states (B, NT, H, V, K)).  Same algorithm as
@@ -180,7 +182,7 @@ def torch_chunked_gdn(k, v, g, beta, q, chunk=64):
 
 
 def bench_gdn(num_seqs: int, seq_len: int) -> None:
-    heads, k_heads, dk, dv, chunk = 32, 16, 128, 128, 64
+    heads, k_heads, dk, dv, chunk = 32, 16, 128, 128, GDN_CHUNK_SIZE
     gen = torch.Generator(device=DEVICE).manual_seed(0)
     total = num_seqs * seq_len
     q = torch.randn(num_seqs, seq_len, heads, dk, device=DEVICE, generator=gen).to(torch.bfloat16)
@@ -261,7 +263,7 @@ def torch_chunked_ssd(x, dt, A, B, C, chunk):
 
 
 def bench_mamba2(num_seqs: int, seq_len: int) -> None:
-    heads, groups, head_dim, state_dim, chunk = 128, 8, 64, 128, 256
+    heads, groups, head_dim, state_dim, chunk = 128, 8, 64, 128, NEMOTRON_H_CHUNK_SIZE
     gen = torch.Generator(device=DEVICE).manual_seed(1)
     total = num_seqs * seq_len
     x = torch.randn(total, heads, head_dim, device=DEVICE, generator=gen).to(torch.bfloat16)

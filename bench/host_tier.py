@@ -25,21 +25,16 @@ import argparse
 import dataclasses
 import json
 import time
-from pathlib import Path
 
 from sglang_hybrid.replay.converters import ArrivalModel, convert
 from sglang_hybrid.replay.cost_model import get_profile
 from sglang_hybrid.replay.emulators import EMULATORS, make_emulator
 from sglang_hybrid.replay.report import plot_ttft_cdf
+from sglang_hybrid.replay.shared_data import QWEN3_TEMPLATE, REPO_ROOT, SWE_AGENT_TRAJ, TAU_BENCH_AIRLINE
 from sglang_hybrid.replay.sim import simulate
 from sglang_hybrid.replay.trace import Request, Trace
 
-ROOT = Path(__file__).resolve().parents[1]
-DATA = ROOT / ".." / "shared" / "data"
-TAU = DATA / "traces" / "tau-bench_gpt-4o-airline.json"
-SWE = DATA / "traces" / "sweagent_marshmallow-1867_fc_last_n_observations.traj"
-TEMPLATE = DATA / "qwen3.jinja"
-OUT = ROOT / "results" / "bench"
+OUT = REPO_ROOT / "results" / "bench"
 PROFILE = "qwen3.5-35b-a3b@rtx4090"
 # Label -> (device slots, host slots).
 CONFIGS = {
@@ -55,13 +50,13 @@ P99_TARGET_S = 5.0
 def edit_pattern_mix(tau_sessions: int) -> Trace:
     requests: list[Request] = []
     for seed, name in enumerate(EMULATORS):
-        trace = convert("tau-bench", TAU, emulator=make_emulator(name), template_path=str(TEMPLATE),
+        trace = convert("tau-bench", TAU_BENCH_AIRLINE, emulator=make_emulator(name), template_path=str(QWEN3_TEMPLATE),
                         limit=tau_sessions, arrival_model=ArrivalModel(seed=seed))
         requests += [dataclasses.replace(r, session=f"{name}/{r.session}") for r in trace.requests]
-    requests += convert("swe-agent", SWE, template_path=str(TEMPLATE)).requests
+    requests += convert("swe-agent", SWE_AGENT_TRAJ, template_path=str(QWEN3_TEMPLATE)).requests
     requests.sort(key=lambda r: (r.arrival_s, r.session, r.turn))
     meta = {"tau_bench_sessions_per_emulator": tau_sessions, "emulators": list(EMULATORS),
-            "swe_agent": SWE.name, "template": TEMPLATE.name}
+            "swe_agent": SWE_AGENT_TRAJ.name, "template": QWEN3_TEMPLATE.name}
     return Trace(requests, meta)
 
 

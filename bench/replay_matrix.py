@@ -30,20 +30,18 @@ from pathlib import Path
 from sglang_hybrid.replay.cli_trace import calls_from_trace
 from sglang_hybrid.replay.converters import RenderConfig, calls_to_trace, convert
 from sglang_hybrid.replay.cost_model import DEFAULT_PROFILE, get_profile
+from sglang_hybrid.config import DEFAULT_CHECKPOINT_SLOTS
 from sglang_hybrid.replay.emulators import EMULATORS, make_emulator, parse_emulator_params
+from sglang_hybrid.replay.policies import PEER_POLICIES
+from sglang_hybrid.replay.shared_data import QWEN3_TEMPLATE, REPO_ROOT, SWE_AGENT_TRAJ, TAU_BENCH_AIRLINE
 from sglang_hybrid.replay.sim import SWEEP_BUDGETS, simulate
 from sglang_hybrid.replay.trace import Trace, load_trace, write_trace
 
-ROOT = Path(__file__).resolve().parents[1]
-DATA = ROOT / ".." / "shared" / "data"
-SWE_AGENT_TRAJ = DATA / "traces" / "sweagent_marshmallow-1867_fc_last_n_observations.traj"
-TAU_BENCH = DATA / "traces" / "tau-bench_gpt-4o-airline.json"
-QWEN3_TEMPLATE = DATA / "qwen3.jinja"
 DEFAULT_CACHE_DIR = Path("/tmp") / "sglang-hybrid-replay-matrix"
 
 OURS = "semantic"
-PEERS = ("none", "sglang-no-buffer", "sglang-extra-buffer", "vllm-align", "llamacpp", "marconi")
-TARGET_BUDGET = 64
+PEERS = tuple(name for name in PEER_POLICIES if name != "oracle")
+TARGET_BUDGET = DEFAULT_CHECKPOINT_SLOTS
 TARGET_RATIO = 1.05
 SWE_AGENT = "swe-agent"
 TAU = "tau-bench"
@@ -65,14 +63,14 @@ def _build(name: str, cache_dir: Path) -> Trace:
     if name == SWE_AGENT:
         return convert("swe-agent", SWE_AGENT_TRAJ, template_path=template)
     if name == TAU:
-        return convert("tau-bench", TAU_BENCH, template_path=template)
+        return convert("tau-bench", TAU_BENCH_AIRLINE, template_path=template)
     emulator, _, assignments = name.removeprefix(f"{TAU}+").partition(":")
     if emulator not in EMULATORS:
         raise ValueError(f"unknown trace {name!r}; known: {', '.join(trace_names())}")
     params = parse_emulator_params(emulator, assignments.split(",") if assignments else [])
     source = load_or_convert(TAU, cache_dir)
     # What `sglang-hybrid trace edit [--param ...]` does with its default seed and arrival model.
-    return calls_to_trace(calls_from_trace(source), source=str(TAU_BENCH), converter="edit",
+    return calls_to_trace(calls_from_trace(source), source=str(TAU_BENCH_AIRLINE), converter="edit",
                           emulator=make_emulator(emulator, **params), render=RenderConfig(template))
 
 
@@ -160,7 +158,7 @@ def main() -> None:
     parser.add_argument("--traces", nargs="+", default=trace_names(),
                         help=f"subset of: {' '.join(trace_names())} (an emulator name alone means tau-bench+NAME)")
     parser.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE_DIR, help="converted traces (reused)")
-    parser.add_argument("--out", type=Path, default=ROOT / "results" / "bench")
+    parser.add_argument("--out", type=Path, default=REPO_ROOT / "results" / "bench")
     args = parser.parse_args()
     if TARGET_BUDGET not in args.budgets:
         parser.error(f"--budgets must include the target budget {TARGET_BUDGET}")

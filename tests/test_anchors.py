@@ -24,12 +24,8 @@ from sglang_hybrid.anchors.detector import (
 )
 from sglang_hybrid.anchors.special_tokens import MISTRAL_SPM_CONTROL_IDS, MISTRAL_TEKKEN_CONTROL_IDS
 from sglang_hybrid.replay import rendering
+from sglang_hybrid.replay.shared_data import QWEN3_TEMPLATE, SWE_AGENT_TRAJ, TAU_BENCH_AIRLINE
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-SHARED_DATA = REPO_ROOT / ".." / "shared" / "data"
-QWEN3_TEMPLATE = SHARED_DATA / "qwen3.jinja"
-SWEAGENT_TRAJ = SHARED_DATA / "traces" / "sweagent_marshmallow-1867_fc_last_n_observations.traj"
-TAU_BENCH = SHARED_DATA / "traces" / "tau-bench_gpt-4o-airline.json"
 MAX_GAP = 8
 TAU_BENCH_SAMPLE_STRIDE = 10  # 20 of the 200 runs
 
@@ -371,7 +367,7 @@ def test_unknown_family_is_an_error():
 
 
 def _load_sweagent() -> list[list[dict]]:
-    steps = json.loads(SWEAGENT_TRAJ.read_text())["trajectory"]
+    steps = json.loads(SWE_AGENT_TRAJ.read_text())["trajectory"]
     return [[{k: m[k] for k in ("role", "content", "tool_calls") if k in m} for m in s["messages"]] for s in steps]
 
 
@@ -441,7 +437,7 @@ def _with_reasoning(run_index: int, traj: list[dict]) -> list[dict]:
 
 @needs_shared
 def test_tau_bench_with_reasoning_divergence_is_near_an_anchor():
-    runs = json.loads(TAU_BENCH.read_text())[::TAU_BENCH_SAMPLE_STRIDE]
+    runs = json.loads(TAU_BENCH_AIRLINE.read_text())[::TAU_BENCH_SAMPLE_STRIDE]
     all_gaps, all_kinds, all_edits = [], [], 0
     for run_index, run in enumerate(runs):
         traj = _with_reasoning(run_index, run["traj"])

@@ -20,7 +20,7 @@ import pytest
 
 from tiny_server import (
     CPU_CHAT_LAUNCH_FLAGS,
-    QWEN3_TEMPLATE_PATH,
+    QWEN3_TEMPLATE,
     SERVER_ON_CPU_HOST,
     SGLangServer,
     write_chat_tokenizer,
@@ -190,7 +190,7 @@ def test_summary_replaces_the_middle_of_the_history(runs):
     assert depths[4] == 0
 
 
-@pytest.mark.skipif(not QWEN3_TEMPLATE_PATH.exists(), reason="../shared/data not present")
+@pytest.mark.skipif(not QWEN3_TEMPLATE.exists(), reason="../shared/data not present")
 @pytest.mark.parametrize("name", RUNS)
 def test_prompts_are_what_the_qwen3_template_renders(runs, name):
     from sglang_hybrid.replay.rendering import render_chat
@@ -198,7 +198,7 @@ def test_prompts_are_what_the_qwen3_template_renders(runs, name):
     records, _ = runs[name]
     generation_prefix = "<think>\n" if name == "reasoning" else ""
     for record in records:
-        expected = render_chat(record.messages, template_path=QWEN3_TEMPLATE_PATH)
+        expected = render_chat(record.messages, template_path=QWEN3_TEMPLATE)
         assert record.prompt == expected + generation_prefix
 
 

@@ -5,7 +5,6 @@ call's prompt+output lands, against where the framework puts it.
 """
 
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -15,13 +14,16 @@ from sglang_hybrid.replay.converters import (
     RenderConfig, calls_to_trace, convert, history_calls, mooncake_trace, sweagent_calls, sweagent_history, taubench_calls,
 )
 from sglang_hybrid.replay.emulators import LastNObservations, make_emulator
+from sglang_hybrid.replay.shared_data import (
+    MOONCAKE_CONVERSATIONS,
+    QWEN3_TEMPLATE,
+    SWE_AGENT_TRAJ,
+    TAU_BENCH_AIRLINE,
+    TRACES,
+)
 
-DATA = Path(__file__).resolve().parents[1] / ".." / "shared" / "data"
-TRACES = DATA / "traces"
-SWE = TRACES / "sweagent_marshmallow-1867_fc_last_n_observations.traj"
-TAU = TRACES / "tau-bench_gpt-4o-airline.json"
-MOONCAKE = TRACES / "mooncake_fast25_conversation_trace.jsonl"
-QWEN3 = str(DATA / "qwen3.jinja")
+SWE, TAU, MOONCAKE = SWE_AGENT_TRAJ, TAU_BENCH_AIRLINE, MOONCAKE_CONVERSATIONS
+QWEN3 = str(QWEN3_TEMPLATE)
 IM_END = 151645
 
 pytestmark = pytest.mark.skipif(not TRACES.is_dir(), reason="shared trace data not present")

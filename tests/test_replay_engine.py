@@ -17,7 +17,7 @@ import pytest
 
 from sglang_hybrid.engine.state_bridge import HybridStateBridge
 from sglang_hybrid.replay import cli_replay
-from sglang_hybrid.replay.engine_backend import MODELS
+from sglang_hybrid.engine.tiny_models import TINY_MODELS
 from sglang_hybrid.replay.sim import run_replay
 from sglang_hybrid.replay.trace import Request, Trace, write_trace
 
@@ -52,7 +52,7 @@ def trace() -> Trace:
     ])
 
 
-@pytest.mark.parametrize("model", list(MODELS))
+@pytest.mark.parametrize("model", list(TINY_MODELS))
 def test_engine_replay_is_exact_and_follows_the_schema(trace, model, tmp_path):
     results = run_replay(trace, ["semantic"], backend="engine", model=model, budget_slots=8,
                          out_dir=tmp_path, progress=False)
@@ -113,10 +113,3 @@ def test_replay_cli_engine_backend_prints_the_counted_figures(trace, tmp_path, c
     assert f"semantic on tiny nemotron-h: {len(trace.requests)} requests checked" in printed
     assert f"{row['cached_tokens']:,} tokens restored, {row['recomputed_tokens']:,} recomputed" in printed
     assert "greedy mismatches 0" in printed and "vs token ratio" in printed
-
-
-def test_cli_model_choices_are_the_engine_models():
-    assert set(cli_replay.ENGINE_MODELS) == set(MODELS)
-    from sglang_hybrid.replay.engine_backend import DEFAULT_MODEL
-
-    assert cli_replay.ENGINE_DEFAULT_MODEL == DEFAULT_MODEL

@@ -10,10 +10,10 @@ from sglang_hybrid.replay.cli_replay import replay_main
 from sglang_hybrid.replay.cli_trace import convert_main, edit_main
 from sglang_hybrid.replay.cost_model import PROFILES, get_profile
 from sglang_hybrid.replay.policies import PEER_POLICIES
+from sglang_hybrid.replay.shared_data import TAU_BENCH_AIRLINE, TRACES
 from sglang_hybrid.replay.sim import run_replay
 from sglang_hybrid.replay.trace import Request, load_trace, write_trace
 
-TRACES = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "traces"
 POLICY_KEYS = {"requests", "prompt_tokens", "cached_tokens", "recomputed_tokens", "hit_rate",
                "checkpoints_taken", "checkpoint_slots_peak", "ttft_s"}
 
@@ -69,7 +69,7 @@ def test_replay_cli_default_runs_the_synthetic_sessions(tmp_path, capsys):
 @pytest.mark.skipif(not TRACES.is_dir(), reason="shared trace data not present")
 def test_trace_convert_then_edit_cli(tmp_path):
     converted = tmp_path / "tau.jsonl"
-    assert convert_main(["tau-bench", str(TRACES / "tau-bench_gpt-4o-airline.json"), "--limit", "2",
+    assert convert_main(["tau-bench", str(TAU_BENCH_AIRLINE), "--limit", "2",
                          "--out", str(converted)]) == 0
     edited = tmp_path / "tau-masked.jsonl"
     assert edit_main([str(converted), "--emulator", "openhands-masking", "--out", str(edited)]) == 0
@@ -87,7 +87,7 @@ def test_trace_convert_then_edit_cli(tmp_path):
 @pytest.mark.skipif(not TRACES.is_dir(), reason="shared trace data not present")
 def test_trace_edit_cli_overrides_emulator_parameters(tmp_path, capsys):
     converted = tmp_path / "tau.jsonl"
-    assert convert_main(["tau-bench", str(TRACES / "tau-bench_gpt-4o-airline.json"), "--limit", "4",
+    assert convert_main(["tau-bench", str(TAU_BENCH_AIRLINE), "--limit", "4",
                          "--out", str(converted)]) == 0
     prompt_tokens = {}
     for max_size in (120, 12):

@@ -23,6 +23,8 @@ import pytest
 import requests
 import torch
 
+from sglang_hybrid.replay.shared_data import QWEN3_TEMPLATE
+
 # The marks of a test that starts these servers: slow, and only on a host without CUDA,
 # whose code paths (TRITON_INTERPRET, the torch fallbacks) it exercises.
 SERVER_ON_CPU_HOST = (
@@ -43,9 +45,8 @@ ROPE_THETA = 10000.0
 # Start-up on two cores takes ~35 s (most of it allocating the KV and state pools).
 STARTUP_TIMEOUT_S = 240.0
 
-# The Qwen3 chat template, read from the shared data checkout when it is there (it is never
-# copied into this repository); ``CHATML_TEMPLATE`` stands in for it otherwise.
-QWEN3_TEMPLATE_PATH = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "qwen3.jinja"
+# Stands in for the Qwen3 chat template (QWEN3_TEMPLATE, in the shared data checkout, never
+# copied into this repository) where that checkout is absent.
 CHATML_TEMPLATE = (
     "{%- for message in messages %}"
     "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
@@ -116,7 +117,7 @@ def _character_vocabulary(size: int) -> list[str]:
     return characters
 
 
-def write_chat_tokenizer(model_dir: Path, template_path: Path = QWEN3_TEMPLATE_PATH) -> Path:
+def write_chat_tokenizer(model_dir: Path, template_path: Path = QWEN3_TEMPLATE) -> Path:
     """Save an offline character-level tokenizer with Qwen3's chat tokens into ``model_dir``.
 
     Every one of the ``TINY_VOCAB_SIZE`` ids decodes to text that encodes back to that id

@@ -3,21 +3,22 @@
 The engine checks that serving through the semantic cache gives the same logits as a plain
 full prefill; that needs a real hybrid forward (gated delta-net layers with conv and
 recurrent state, attention layers with KV), not trained weights. Weights are drawn from a
-fixed seed so every run, and the cached and uncached paths, use the same model.
+fixed seed so every run, and the cached and uncached paths, use the same model. The builders
+import transformers and torch themselves, so the registry of names (``TINY_MODELS``, which the
+command line lists) loads neither.
 """
 
 from __future__ import annotations
 
-import torch
-from transformers import (
-    GraniteMoeHybridConfig,
-    GraniteMoeHybridForCausalLM,
-    NemotronHConfig,
-    NemotronHForCausalLM,
-    PretrainedConfig,
-    Qwen3NextConfig,
-    Qwen3NextForCausalLM,
-)
+from typing import TYPE_CHECKING, Any, Callable
+
+if TYPE_CHECKING:
+    from transformers import (
+        GraniteMoeHybridForCausalLM,
+        NemotronHForCausalLM,
+        PretrainedConfig,
+        Qwen3NextForCausalLM,
+    )
 
 # Vocabulary of the tiny model. Token ids from real traces (e.g. Qwen's 151936-entry
 # vocabulary) are folded into it with ``id % vocab_size`` at the model input only; the
@@ -33,6 +34,8 @@ def tiny_qwen3_next(seed: int = 0, vocab_size: int = TINY_VOCAB_SIZE) -> Qwen3Ne
     a prefill split at checkpoints and a whole one can pick another expert at a near-tie,
     which would test the router's tie-breaking, not the restored state.
     """
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
     config = Qwen3NextConfig(
         vocab_size=vocab_size,
         hidden_size=64,
@@ -60,6 +63,8 @@ def tiny_granite_moe_hybrid(
 
     Mamba head_dim (8) and state size (16) differ so a transposed state cannot pass unseen.
     """
+    from transformers import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
+
     config = GraniteMoeHybridConfig(
         vocab_size=vocab_size,
         hidden_size=64,
@@ -93,6 +98,8 @@ def tiny_nemotron_h(seed: int = 0, vocab_size: int = TINY_VOCAB_SIZE) -> Nemotro
     differ so a transposed state cannot pass unseen; two groups exercise grouped B/C. MLP
     rather than MoE blocks for the reason given for Qwen3-Next (router near-ties).
     """
+    from transformers import NemotronHConfig, NemotronHForCausalLM
+
     config = NemotronHConfig(
         vocab_size=vocab_size,
         hidden_size=64,
@@ -113,6 +120,8 @@ def tiny_nemotron_h(seed: int = 0, vocab_size: int = TINY_VOCAB_SIZE) -> Nemotro
 
 
 def _seeded(model_class, config: PretrainedConfig, seed: int):
+    import torch
+
     # Eager attention: the reference must not depend on which SDPA backend torch picks.
     config._attn_implementation = "eager"
     generator_state = torch.random.get_rng_state()
@@ -121,3 +130,12 @@ def _seeded(model_class, config: PretrainedConfig, seed: int):
         return model_class(config).to(torch.float32).eval()
     finally:
         torch.random.set_rng_state(generator_state)
+
+
+# The tiny models by the name of the architecture each stands in for (``--model``).
+TINY_MODELS: dict[str, Callable[..., Any]] = {
+    "qwen3-next": tiny_qwen3_next,
+    "nemotron-h": tiny_nemotron_h,
+    "granite-moe-hybrid": tiny_granite_moe_hybrid,
+}
+DEFAULT_TINY_MODEL = "qwen3-next"

@@ -5,13 +5,10 @@ from __future__ import annotations
 import argparse
 from typing import Sequence
 
+from ..engine.tiny_models import DEFAULT_TINY_MODEL, TINY_MODELS
 from .cost_model import DEFAULT_PROFILE, PROFILES
 from .policies import POLICIES
 from .sim import BACKENDS, run_replay
-
-# The engine backend's model names; importing engine_backend itself would load torch.
-ENGINE_MODELS = ("qwen3-next", "nemotron-h", "granite-moe-hybrid")
-ENGINE_DEFAULT_MODEL = "qwen3-next"
 
 
 def replay_main(argv: Sequence[str] | None = None) -> int:
@@ -30,8 +27,8 @@ def replay_main(argv: Sequence[str] | None = None) -> int:
                              "semantic policy has a host tier, the other policies ignore it (default 0: none)")
     parser.add_argument("--backend", default="sim", choices=BACKENDS)
     parser.add_argument("--profile", default=DEFAULT_PROFILE, choices=sorted(PROFILES))
-    parser.add_argument("--model", choices=ENGINE_MODELS,
-                        help=f"tiny model served by --backend engine (default {ENGINE_DEFAULT_MODEL})")
+    parser.add_argument("--model", choices=list(TINY_MODELS),
+                        help=f"tiny model served by --backend engine (default {DEFAULT_TINY_MODEL})")
     parser.add_argument("--server-url",
                         help="SGLang server replayed against by --backend server, e.g. http://127.0.0.1:30000")
     parser.add_argument("--concurrency", type=int,

@@ -23,23 +23,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 from tqdm import tqdm
 
 from ..engine.engine import CpuHybridEngine, EngineRequest, EngineResult
-from ..engine.tiny_models import tiny_granite_moe_hybrid, tiny_nemotron_h, tiny_qwen3_next
+from ..engine.tiny_models import DEFAULT_TINY_MODEL, TINY_MODELS
 from .results import distribution, policy_row, results_envelope, write_json, write_results
 from .trace import Request, Trace
 
-# Tiny random-weight models, by the name of the architecture they stand in for.
-MODELS: dict[str, Callable[[], Any]] = {
-    "qwen3-next": tiny_qwen3_next,
-    "nemotron-h": tiny_nemotron_h,
-    "granite-moe-hybrid": tiny_granite_moe_hybrid,
-}
-DEFAULT_MODEL = "qwen3-next"
 # The peer policies and bounds are token-count models of other systems, not caches this
 # engine can run; `semantic` is the one policy with a real cache behind it.
 ENGINE_POLICIES = ("semantic",)
@@ -87,18 +80,18 @@ def engine_request(request: Request) -> EngineRequest:
     )
 
 
-def serve_trace(trace: Trace, *, budget_slots: int, model: str = DEFAULT_MODEL,
+def serve_trace(trace: Trace, *, budget_slots: int, model: str = DEFAULT_TINY_MODEL,
                 progress: bool = True) -> tuple[list[ServedPair], int, int]:
     """Serve every request of ``trace`` cached and uncached; returns the pairs, checkpoints
     taken and the peak of checkpoint slots in use."""
-    if model not in MODELS:
-        raise ValueError(f"unknown model {model!r}; known: {', '.join(MODELS)}")
+    if model not in TINY_MODELS:
+        raise ValueError(f"unknown model {model!r}; known: {', '.join(TINY_MODELS)}")
     requests = sorted(trace.requests, key=lambda r: r.arrival_s)
     sequence_lengths = [len(r.input_ids) + len(r.output_ids) for r in requests]
     # KV for every token of the trace, so the cache never evicts KV: the replay's reuse then
     # depends on the checkpoint budget alone, as in the simulator.
     engine = CpuHybridEngine(
-        MODELS[model](),
+        TINY_MODELS[model](),
         checkpoint_slots=budget_slots,
         kv_size=sum(sequence_lengths) + 1,
         max_num_reqs=2,
@@ -184,7 +177,7 @@ def _plot_ttft(path: Path, pairs: Sequence[ServedPair]) -> None:
 
 
 def engine_replay(trace: Trace, policies: Sequence[str], *, budget_slots: int, out_dir: str | Path,
-                  trace_name: str, profile: str, model: str = DEFAULT_MODEL,
+                  trace_name: str, profile: str, model: str = DEFAULT_TINY_MODEL,
                   progress: bool = True) -> dict[str, Any]:
     """Serve ``trace`` through the engine and write results.json, engine_requests.json (per
     request), report.md and ttft_engine.png into ``out_dir``; returns the results."""

@@ -23,6 +23,8 @@ from typing import Any, Sequence
 
 from tqdm import tqdm
 
+from ..config import DEFAULT_CHECKPOINT_SLOTS
+from ..engine.tiny_models import DEFAULT_TINY_MODEL
 from .cost_model import DEFAULT_PROFILE, CostProfile, get_profile
 from .policies import POLICIES, Policy, ServeOutcome, drive, make_policy
 from .policies.semantic import SemanticPolicy
@@ -105,7 +107,7 @@ def resolve_budget(profile: CostProfile, budget_slots: int | None, budget_gib: f
         raise ValueError("give either budget_slots or budget_gib, not both")
     if budget_gib is not None:
         return profile.slots_for_gib(budget_gib)
-    return 64 if budget_slots is None else budget_slots
+    return DEFAULT_CHECKPOINT_SLOTS if budget_slots is None else budget_slots
 
 
 def run_replay(
@@ -126,7 +128,7 @@ def run_replay(
 ) -> dict[str, Any]:
     """Replay a trace (path or Trace) and write results.json, budget_sweep.json, report.md and plots.
 
-    ``model`` names the tiny model of backend `engine` (engine_backend.MODELS). ``host_slots``
+    ``model`` names the tiny model of backend `engine` (engine.tiny_models.TINY_MODELS). ``host_slots``
     sizes the host checkpoint tier of the `semantic` policy (backend `sim` only). Backend
     `server` replays against the SGLang server at ``server_url`` with up to ``concurrency``
     requests in flight (server_backend.py).
@@ -149,10 +151,10 @@ def run_replay(
         return server_replay(loaded, server_url=server_url, out_dir=out_dir, trace_name=trace_name,
                              profile=cost.name, concurrency=concurrency, progress=progress)
     if backend == "engine":
-        from .engine_backend import DEFAULT_MODEL, engine_replay
+        from .engine_backend import engine_replay
 
         return engine_replay(loaded, policies, budget_slots=budget, out_dir=out_dir, trace_name=trace_name,
-                             profile=cost.name, model=model or DEFAULT_MODEL, progress=progress)
+                             profile=cost.name, model=model or DEFAULT_TINY_MODEL, progress=progress)
     if model is not None:
         raise ValueError("a model is only served by backend 'engine'")
     budgets = sorted({budget, *sweep_budgets})

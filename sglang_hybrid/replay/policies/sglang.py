@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from abc import abstractmethod
 
+from ..cost_model import CostProfile
 from .base import NodeCheckpoints, Policy, ReplayStep, ServeOutcome, prefill_chunks
 
 
@@ -63,10 +64,17 @@ class SGLangExtraBufferPolicy(_SGLangMambaPolicy):
 
     name = "sglang-extra-buffer"
     TRACK_INTERVAL = 256
-    BRANCH_GRID = 64  # lcm(GDN chunk 64, page size 1)
+
+    def __init__(self, budget_slots: int, profile: CostProfile):
+        super().__init__(budget_slots, profile)
+        # lcm(the GDN chunk, page size 1). The kernels load torch: only a replay of this
+        # policy pays for it.
+        from ...kernels import GDN_CHUNK_SIZE
+
+        self.branch_grid = GDN_CHUNK_SIZE
 
     def _capture_depths(self, step, restored):
-        branch = step.view.lcp // self.BRANCH_GRID * self.BRANCH_GRID
+        branch = step.view.lcp // self.branch_grid * self.branch_grid
         depths = []
         for begin, end in prefill_chunks(restored, step.prompt_len):
             if restored < branch and begin < branch <= end:
