@@ -2,15 +2,23 @@
 
 from __future__ import annotations
 
+from array import array
+
 import pytest
 import torch
+
+from sglang.srt.mem_cache.base_prefix_cache import InsertParams
+from sglang.srt.mem_cache.radix_cache import RadixKey
+from sglang.srt.mem_cache.unified_cache.components.base import ComponentType
 
 from sglang_hybrid.cache.checkpoint_pool import StateCheckpointPool, StateLayout
 from sglang_hybrid.harness.lifecycle import KVExhausted
 from sglang_hybrid.config import CONFIG_ENV_VAR, SemanticCacheConfig
 
-from cache_fixtures import build, fingerprint, live_state_fingerprint, serve, write_checkpoint_slot, write_live_state
+from cache_fixtures import build, fingerprint, live_state_fingerprint, serve, tree_nodes, write_checkpoint_slot, write_live_state
 from test_semantic_cache import assert_slot_accounting
+
+MAMBA = ComponentType.MAMBA
 
 
 def idle(driver) -> bool:
@@ -45,6 +53,29 @@ def test_prompt_longer_than_the_kv_pool_is_refused_without_leaking():
         driver.admit(driver.new_request(list(range(1000, 1400)), [1]))
     assert idle(driver)
     assert driver.cache.checkpoint_pool.used_size() <= before
+    assert_slot_accounting(driver)
+
+
+@pytest.mark.parametrize("foreign", ["live request slot", "free checkpoint slot", "past the pool"])
+def test_insert_refuses_a_value_that_is_not_a_slot_taken_from_the_checkpoint_pool(foreign):
+    # SGLang's own unified-radix-cache tests insert a live request's slot as the MAMBA value;
+    # stored as a checkpoint, it would be read as one and freed into the wrong pool.
+    driver = build("semantic", checkpoint_slots=4)
+    serve(driver, list(range(100, 120)), [1])
+    (held,) = [n.component_data[MAMBA].value for n in tree_nodes(driver.cache) if n.component_data[MAMBA].value is not None]
+    value = {
+        "live request slot": driver.tree.req_to_token_pool.mamba_allocator.alloc(1),
+        "free checkpoint slot": torch.tensor([int(driver.cache.checkpoint_pool.free_slot_ids()[0])]),
+        "past the pool": torch.tensor([driver.cache.checkpoint_pool.num_slots + 1]),
+    }[foreign]
+    assert int(value) != int(held)
+    tokens = list(range(500, 508))
+    kv = driver.tree.allocator.alloc(len(tokens))
+    before = driver.cache.total_size()
+    with pytest.raises(ValueError, match="not a slot taken from the checkpoint pool"):
+        driver.cache.insert(InsertParams(key=RadixKey(array("q", tokens)), value=kv, mamba_value=value))
+    assert driver.cache.total_size() == before
+    assert driver.cache.checkpoints_on_path(tokens) == (0, [])
     assert_slot_accounting(driver)
 
 
