@@ -28,7 +28,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from . import register_policy
 from .base import Policy, ReplayStep, ServeOutcome
 
 if TYPE_CHECKING:
@@ -115,6 +114,3 @@ class SemanticPolicy(Policy):
         if missing > 0:
             self.cache.evict(EvictParams(num_tokens=missing))
             self.kv_tokens_evicted += missing
-
-
-register_policy(SemanticPolicy.name, SemanticPolicy)
