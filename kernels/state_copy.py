@@ -28,6 +28,7 @@ _MAX_TENSORS = MAX_CONV_TENSORS + 1
 # program takes a whole (large) row to keep the number of programs small.
 _GPU_SEGMENT_WORDS = 4096
 _GPU_BLOCK_WORDS = 1024
+_GPU_NUM_WARPS = 4
 _INTERPRET_MAX_SEGMENT_WORDS = 1 << 16
 
 
@@ -264,18 +265,5 @@ def copy_states(
             NUM_TENSORS=len(src_words),
             SEGMENT=segment,
             BLOCK=block,
-            num_warps=4,
+            num_warps=_GPU_NUM_WARPS,
         )
-
-
-def copy_states_reference(
-    src_conv: list[torch.Tensor],
-    src_temporal: torch.Tensor,
-    dst_conv: list[torch.Tensor],
-    dst_temporal: torch.Tensor,
-    src_slots: torch.Tensor,
-    dst_slots: torch.Tensor,
-) -> None:
-    """Plain-torch equivalent of :func:`copy_states` (gather + ``index_copy_`` per tensor)."""
-    for src, dst in zip([*src_conv, src_temporal], [*dst_conv, dst_temporal]):
-        dst.index_copy_(1, dst_slots.long(), src.index_select(1, src_slots.long()))

@@ -4,6 +4,7 @@
                                          SGLang's HTTP server with the semantic state cache
     sglang-hybrid replay [TRACE] ...     replay agent traffic against checkpoint policies
     sglang-hybrid trace convert|edit ... canonical traces from agent logs; framework edits
+    sglang-hybrid patch --check          check that patches/ applies to the installed sglang
 
 Each subcommand's own ``--help`` lists its options.
 """
@@ -38,8 +39,33 @@ def main(argv: Sequence[str] | None = None) -> int:
             print("usage: sglang-hybrid trace convert|edit ...", file=sys.stderr)
             return 2
         return actions[rest[0]](rest[1:])
+    if command == "patch":
+        return patch_main(rest)
     print(f"sglang-hybrid: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
     return 2
+
+
+def patch_main(argv: Sequence[str]) -> int:
+    import argparse
+
+    from sglang_hybrid import patches
+
+    parser = argparse.ArgumentParser(
+        prog="sglang-hybrid patch",
+        description="The changes to SGLang's source that sglang-hybrid applies at run time "
+        f"(upstream-ready diffs against sglang {patches.SGLANG_VERSION} in {patches.PATCH_DIR}).",
+    )
+    parser.add_argument("--check", action="store_true", required=True,
+                        help="apply every diff, in order, to the installed sglang in memory; "
+                        "exit 1 naming the first that does not apply")
+    parser.parse_args(argv)
+    try:
+        for line in patches.check():
+            print(line)
+    except patches.PatchError as error:
+        print(f"sglang-hybrid patch: {error}", file=sys.stderr)
+        return 1
+    return 0
 
 
 if __name__ == "__main__":

@@ -174,29 +174,51 @@ def gdn_extend(
     cache_indices: torch.Tensor,
     query_start_loc: torch.Tensor,
     inplace_update: bool = True,
+    track_state: Optional[torch.Tensor] = None,
+    snapshot_states: Optional[torch.Tensor] = None,
+    snapshot_chunk_ptr: Optional[torch.Tensor] = None,
+    snapshot_offsets: Optional[torch.Tensor] = None,
+    snapshot_rows: Optional[torch.Tensor] = None,
     **unused_kernel_options,
 ) -> tuple[torch.Tensor, None, torch.Tensor]:
-    """Drop-in for ``TritonGDNKernel.extend`` (fla ``chunk_gated_delta_rule``).
+    """Drop-in for the patched ``TritonGDNKernel.extend`` (fla ``chunk_gated_delta_rule``).
 
     Tensors are packed [1, total_tokens, ...]; each sequence starts from and writes back
     ``ssm_states[slot]``, like the fla kernel with ``initial_state_indices``. Returns the
     output, None, and the fp32 state at the start of every 64-token chunk of every sequence
-    ``(1, NT, HV, V, K)``, as fla's ``h`` (chunks numbered per sequence).
+    ``(1, NT, HV, V, K)``, as fla's ``h`` (chunks numbered per sequence). ``snapshot_*``
+    (patches/0002) ask for the states at positions inside chunks, written to rows of
+    ``snapshot_states``.
     """
     if not inplace_update:
         raise NotImplementedError("the CPU GDN fallback does not support multi-item scoring")
+    if track_state is not None:
+        raise NotImplementedError("the CPU GDN fallback keeps no extra_buffer snapshots")
+    snapshots: dict[int, list[tuple[int, int]]] = {}  # chunk -> [(offset, row)]
+    if snapshot_states is not None:
+        ptr, offsets, rows = snapshot_chunk_ptr.tolist(), snapshot_offsets.tolist(), snapshot_rows.tolist()
+        for chunk in range(len(ptr) - 1):
+            snapshots[chunk] = sorted(zip(offsets[ptr[chunk]:ptr[chunk + 1]], rows[ptr[chunk]:ptr[chunk + 1]]))
     out = torch.zeros(v.shape, dtype=q.dtype, device=q.device)
     chunk_starts = []
     for _, start, end, slot in _sequences(query_start_loc, cache_indices):
         state = ssm_states[slot].float().clone()
         for chunk_start in range(start, end, GDN_CHUNK_SIZE):
             chunk_end = min(chunk_start + GDN_CHUNK_SIZE, end)
+            taken = snapshots.get(len(chunk_starts), [])
             chunk_starts.append(state)
-            chunk_out, state = gated_delta_rule(
-                q[0, chunk_start:chunk_end], k[0, chunk_start:chunk_end], v[0, chunk_start:chunk_end],
-                g[0, chunk_start:chunk_end], beta[0, chunk_start:chunk_end], state,
-            )  # fmt: skip
-            out[0, chunk_start:chunk_end] = chunk_out.to(out.dtype)
+            # Run the chunk in pieces that end where a snapshot is asked for.
+            piece_start = chunk_start
+            for piece_end, row in [*((chunk_start + o, r) for o, r in taken), (chunk_end, None)]:
+                if piece_end > piece_start:
+                    piece_out, state = gated_delta_rule(
+                        q[0, piece_start:piece_end], k[0, piece_start:piece_end], v[0, piece_start:piece_end],
+                        g[0, piece_start:piece_end], beta[0, piece_start:piece_end], state,
+                    )  # fmt: skip
+                    out[0, piece_start:piece_end] = piece_out.to(out.dtype)
+                    piece_start = piece_end
+                if row is not None:
+                    snapshot_states[row] = state.to(snapshot_states.dtype)
         ssm_states[slot] = state.to(ssm_states.dtype)
     state_shape = ssm_states.shape[1:]
     h = torch.stack(chunk_starts) if chunk_starts else ssm_states.new_empty((0, *state_shape), dtype=torch.float32)
@@ -240,6 +262,8 @@ def _torch_native_gdn_kernels() -> None:
     # The packed decode fuses the gating into a Triton kernel; without it the backend
     # splits q/k/v and calls ``decode``.
     TritonGDNKernel.supports_packed_decode = False
+    TritonGDNKernel.supports_track_state_snapshot = False
+    TritonGDNKernel.supports_position_snapshots = True
     TritonGDNKernel.extend = staticmethod(gdn_extend)
     TritonGDNKernel.decode = staticmethod(gdn_decode)
 

@@ -19,6 +19,7 @@ from sglang.srt.mem_cache.registry import (
 )
 from sglang.srt.mem_cache.unified_cache.components.base import ComponentType
 
+from sglang_hybrid import patches
 from sglang_hybrid.anchors.anchor_planning import AnchorPlanning
 from sglang_hybrid.anchors.detector import NO_ANCHORS, AnchorDetector
 from sglang_hybrid.anchors.planner import CheckpointPlanner
@@ -42,6 +43,8 @@ GDN_MODEL_TYPES = frozenset({"qwen3_next", "qwen3_5", "qwen3_5_moe"})
 
 
 def register() -> None:
+    # Before any model is built: the modules patches/ changes load patched from here on.
+    patches.install()
     # On a host without CUDA (tests, the CPU reference server) SGLang needs torch-native
     # fallbacks for kernels that do not run there; on a GPU host this does nothing.
     install_cpu_fallbacks()
@@ -111,6 +114,15 @@ def _checkpoint_planning(
             ", ".join(sorted(GDN_MODEL_TYPES)),
         )
         return None
+    prefill_backend = _gdn_prefill_backend(ctx)
+    if prefill_backend is not None and not prefill_backend.is_triton():
+        logger.warning(
+            "semantic state cache: no in-prefill anchor checkpoints with the %s GDN prefill "
+            "kernel (the Triton kernel writes them, patches/0002); checkpoints at request "
+            "ends and prefill chunk ends only",
+            prefill_backend,
+        )
+        return None
     if config.anchor_template_family != AUTO_TEMPLATE_FAMILY:
         detector = AnchorDetector.for_family(config.anchor_template_family)
     elif hf_config is not None:
@@ -130,6 +142,13 @@ def _checkpoint_planning(
         planner,
         evict_by_value=config.checkpoint_eviction == "expected-saving",
     )
+
+
+def _gdn_prefill_backend(ctx: TreeCacheBuildContext):
+    """The linear-attention prefill kernel the model runner chose (None outside a server)."""
+    model_runner = getattr(ctx.tp_worker, "model_runner", None)
+    backends = getattr(model_runner, "linear_attn_backends", None)
+    return None if backends is None else backends.prefill
 
 
 def _check_supported(ctx: TreeCacheBuildContext) -> None:

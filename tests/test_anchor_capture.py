@@ -27,6 +27,7 @@ from sglang_hybrid.cache.planning import CheckpointId
 from sglang_hybrid.config import SemanticCacheConfig
 from sglang_hybrid.harness.lifecycle import RequestLifecycle
 from sglang_hybrid.harness.pools import HybridPoolSpec, build_tree_cache, hybrid_pool_spec
+from sglang_hybrid.kernels import MIN_CAPTURE_SPACING
 from sglang_hybrid.runtime.anchor_capture import queries_for_forward
 
 NUM_K_HEADS, NUM_V_HEADS, HEAD_K, HEAD_V, CONV_KERNEL = 2, 4, 16, 16, 4
@@ -138,7 +139,7 @@ def _separate_prefill_state(backend, layer, pool, inputs, depth):
 
 def test_one_extend_captures_every_anchor_equal_to_separate_prefills():
     generator = torch.Generator().manual_seed(0)
-    config = SemanticCacheConfig(state_checkpoint_slots=16, anchor_template_family=NO_ANCHORS)
+    config = SemanticCacheConfig(state_checkpoint_slots=32, anchor_template_family=NO_ANCHORS)
     driver = RequestLifecycle(build_tree_cache("semantic", _spec(), config=config))
     cache, pool = driver.cache, driver.tree.req_to_token_pool
     checkpoints = pool.mamba_ckpt_pool
@@ -161,12 +162,19 @@ def test_one_extend_captures_every_anchor_equal_to_separate_prefills():
             driver.finish(req)
         return reqs
 
+    # One ragged forward of three new requests: positions 1, both sides of the first chunk
+    # boundary (63 | 64, 65), mid-chunk and the last token. A request's checkpoints are at
+    # least MIN_CAPTURE_SPACING apart, so the boundary's sides come from different ones.
     ids_a = list(range(1000, 1150))
     inputs_a = _token_inputs(generator, 150)
-    # Position 1, both sides of the first chunk boundary, mid-chunk, and the last token.
-    anchors_a = [1, 63, 64, 65, 100, 150]
-    (req_a,) = admit_and_extend([(ids_a, inputs_a, anchors_a)])
-    assert req_a.prefix_len == 0
+    anchors_a = [1, 63, 100, 150]
+    ids_d, ids_e = list(range(4000, 4130)), list(range(5000, 5100))
+    inputs_d, inputs_e = _token_inputs(generator, 130), _token_inputs(generator, 100)
+    anchors_d, anchors_e = [64, 129], [65, 81]
+    req_a, req_d, req_e = admit_and_extend(
+        [(ids_a, inputs_a, anchors_a), (ids_d, inputs_d, anchors_d), (ids_e, inputs_e, anchors_e)]
+    )
+    assert req_a.prefix_len == req_d.prefix_len == req_e.prefix_len == 0
 
     # A ragged batch: a new request, and one that leaves A after 100 tokens, restoring A's
     # checkpoint there and capturing past it (its positions count from its own start).
@@ -174,12 +182,14 @@ def test_one_extend_captures_every_anchor_equal_to_separate_prefills():
     inputs_b = _token_inputs(generator, 90)
     ids_c = ids_a[:100] + list(range(3000, 3050))
     inputs_c = _concat(_slice(inputs_a, 0, 100), _token_inputs(generator, 50))
-    anchors_b, anchors_c = [30, 89], [120, 128, 149]
+    anchors_b, anchors_c = [30, 89], [120, 149]
     req_b, req_c = admit_and_extend([(ids_b, inputs_b, anchors_b), (ids_c, inputs_c, anchors_c)])
     assert (req_b.prefix_len, req_c.prefix_len) == (0, 100)
 
     checked = 0
-    for ids, inputs, anchors in [(ids_a, inputs_a, anchors_a), (ids_b, inputs_b, anchors_b), (ids_c, inputs_c, anchors_c)]:
+    requests = [(ids_a, inputs_a, anchors_a), (ids_d, inputs_d, anchors_d), (ids_e, inputs_e, anchors_e),
+                (ids_b, inputs_b, anchors_b), (ids_c, inputs_c, anchors_c)]
+    for ids, inputs, anchors in requests:
         for depth in anchors:
             checkpoint = cache.checkpoint_at(ids[:depth])
             assert checkpoint is not None, f"no checkpoint at depth {depth}"
@@ -188,7 +198,7 @@ def test_one_extend_captures_every_anchor_equal_to_separate_prefills():
             torch.testing.assert_close(checkpoints.conv[0][0][slot], conv, rtol=0, atol=0)
             torch.testing.assert_close(checkpoints.temporal[0][slot], temporal, rtol=1e-5, atol=1e-6)
             checked += 1
-    assert checked == len(anchors_a) + len(anchors_b) + len(anchors_c)
+    assert checked == sum(len(anchors) for _, _, anchors in requests)
 
 
 # ---- planning and per-forward queries, on the replay's tiny state layout ----
@@ -216,21 +226,26 @@ def _chat_prompt() -> list[int]:
     return rendering.qwen3_encode(text + "<|im_start|>assistant\n")
 
 
+def _positions(queries) -> list[int]:
+    """Captured positions, counted from the first token the forward computes."""
+    return (queries.index.end - queries.index.seq_start).tolist()
+
+
 def test_chunked_prefill_captures_each_depth_in_the_forward_that_crosses_it():
     driver = _tiny_lifecycle("none")
-    req = driver.new_request(list(range(1, 101)), hint=[10, 50, 60, 100])
+    req = driver.new_request(list(range(1, 101)), hint=[10, 50, 70, 100])
     driver.admit(req)
     pool = driver.cache.checkpoint_pool
     # First chunk: tokens [0, 50).
     req.extend_end = 50
     first = driver.start([req])
-    assert first.pos.tolist() == [10, 50] and first.seq.tolist() == [0, 0]
+    assert _positions(first) == [10, 50] and first.index.seq.tolist() == [0, 0]
     assert queries_for_forward(pool, [0], [50]) is first
     # Second chunk: tokens [50, 100); positions count from the chunk's first token.
     req.prefix_len, req.extend_end = 50, 100
     second = driver.start([req])
-    assert second.pos.tolist() == [10, 50]
-    assert len({*first.slots.tolist(), *second.slots.tolist()}) == 4
+    assert _positions(second) == [20, 50]
+    assert len({*first.index.slot.tolist(), *second.index.slot.tolist()}) == 4
     with pytest.raises(RuntimeError, match="does not match the batch"):
         queries_for_forward(pool, [0], [50])
     driver.abort(req)
@@ -242,10 +257,23 @@ def test_messages_mode_stages_every_message_start_past_the_restored_prefix():
     prompt = _chat_prompt()
     req = driver.new_request(prompt)
     driver.admit(req)
-    queries = driver.start([req])
-    starts = AnchorDetector.for_family("chatml").detect(np.asarray(prompt)).of_kind(AnchorKind.MESSAGE_START)
-    # The first message starts at depth 0, the state every request starts from anyway.
-    assert queries.pos.tolist() == sorted({int(s) for s in starts if s > 0}) and len(queries) >= 4
+    staged = _positions(driver.start([req]))
+    detected = AnchorDetector.for_family("chatml").detect(np.asarray(prompt)).of_kind(AnchorKind.MESSAGE_START)
+    starts = sorted({int(s) for s in detected})
+    # The first message starts at depth 0, the state every request starts from anyway; of
+    # the others, every start not within MIN_CAPTURE_SPACING after a staged one is staged.
+    assert staged[0] == starts[1] and len(staged) >= 2 and set(staged) <= set(starts)
+    for start in starts[1:]:
+        previous = max(s for s in staged if s <= start)
+        assert start in staged or start - previous < MIN_CAPTURE_SPACING
+    assert all(b - a >= MIN_CAPTURE_SPACING for a, b in zip(staged, staged[1:]))
+
+
+def test_checkpoints_closer_than_the_spacing_keep_the_shallower():
+    driver = _tiny_lifecycle("none")
+    req = driver.new_request(list(range(1, 101)), hint=[10, 20, 26, 40, 41, 100])
+    driver.admit(req)
+    assert _positions(driver.start([req])) == [10, 26, 100]
 
 
 def test_none_mode_and_none_hint_stage_nothing():

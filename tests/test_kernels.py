@@ -15,19 +15,24 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from sglang_hybrid.kernels import (  # noqa: E402
-    conv_state_at_positions,
-    conv_state_at_positions_reference,
+    GDN_CHUNK_SIZE,
+    CaptureIndex,
+    conv_capture_states,
     copy_states,
+    mamba2_capture_states,
+)
+from sglang_hybrid.kernels.reference import (  # noqa: E402
+    conv_states_reference,
     copy_states_reference,
-    gdn_state_at_positions,
-    gdn_state_at_positions_reference,
-    mamba2_state_at_positions,
-    mamba2_state_at_positions_reference,
+    mamba2_states_reference,
 )
 
 INTERPRET = os.environ["TRITON_INTERPRET"] == "1"
 if not INTERPRET and not torch.cuda.is_available():
     pytest.skip("compiled Triton kernels need a CUDA device", allow_module_level=True)
+# The Mamba2 capture multiplies fp32 matrices: exactly under the interpreter, on a GPU's
+# matrix units in tf32 (10-bit mantissa), whose rounding bounds the agreement there.
+FP32_PRODUCT_TOLERANCE = 1e-5 if INTERPRET else 3e-3
 
 
 @pytest.fixture(params=["cpu" if INTERPRET else "cuda"])
@@ -137,102 +142,55 @@ def test_copy_states_rejects_bad_inputs(device):
         copy_states(src_conv, src_temporal, dst_conv, dst_temporal, ok, ok[:1])
 
 
-# ----------------------------------------------------------------------------- GDN
-
-GDN_LENS = [1, 64, 130, 77, 128]  # ragged, incl. a one-token sequence and exact multiples of 64
+# ----------------------------------------------------------------------------- captures
 
 
-def _gdn_queries(lens):
-    """Position 0 and 1, chunk starts and ends, the last token and the end of each sequence."""
+def _queries(lens, interesting):
+    """(seq, pos) for every interesting position that lies inside a sequence's tokens."""
     seqs, positions = [], []
     for s, n in enumerate(lens):
-        for p in sorted({0, 1, 2, 63, 64, 65, 127, 128, 129, n - 1, n}):
+        for p in sorted({*interesting, n - 1, n}):
             if 0 <= p <= n:
                 seqs.append(s)
                 positions.append(p)
     return seqs, positions
 
 
-def _gdn_chunk_states(k, v, g, beta, cu, initial, lens, chunk):
-    """fla layout (sum_i ceil(len_i / chunk), H, V, K): each sequence's chunk-start states."""
-    seqs = [s for s, n in enumerate(lens) for _ in range(0, n, chunk)]
-    positions = [p for n in lens for p in range(0, n, chunk)]
-    dev = k.device
-    return gdn_state_at_positions_reference(
-        k, v, g, beta, cu, initial, torch.tensor(seqs, device=dev), torch.tensor(positions, device=dev)
+def _scattered_slots(count, num_slots, seed):
+    return torch.randperm(num_slots, generator=torch.Generator().manual_seed(seed))[:count].tolist()
+
+
+def test_capture_index_geometry():
+    # Sequences of 70, 64 and 5 tokens: fla chunks [0, 64) [64, 70) | [70, 134) | [134, 139).
+    index = CaptureIndex.build(
+        [70, 64, 5], [True, False, True], seq=[0, 1, 0, 1, 2], pos=[3, 0, 70, 64, 5],
+        slots=[9, 8, 7, 6, 5], device="cpu",
     )
+    assert index.seq_start.tolist() == [0, 70, 0, 70, 134]
+    assert index.end.tolist() == [3, 70, 70, 134, 139]
+    assert index.continues.tolist() == [1, 0, 1, 0, 1]
+    # Chunk order: chunk 0 has pos 3; chunk 1 the end of sequence 0 (6 tokens into it);
+    # chunk 2 the start of sequence 1 and its end (pos 64 ends that 64-token chunk).
+    assert index.snapshot_chunk_ptr.tolist() == [0, 1, 2, 4, 5]
+    assert index.snapshot_offsets.tolist() == [3, 6, 0, 64, 5]
+    assert index.snapshot_rows.tolist() == [9, 7, 8, 6, 5]
+    assert index.snapshots_per_chunk == 2
+    three_in_a_chunk = CaptureIndex.build([64], [False], [0, 0, 0], [10, 20, 64], [1, 2, 3], "cpu")
+    assert three_in_a_chunk.snapshots_per_chunk == 4
 
 
-def _gdn_inputs(lens, heads, k_heads, dk, dv, dtype, device, seed):
-    gen = torch.Generator().manual_seed(seed)
-    total = sum(lens)
-    k = F.normalize(torch.randn(total, k_heads, dk, generator=gen), dim=-1)
-    v = torch.randn(total, heads, dv, generator=gen)
-    g = F.logsigmoid(torch.randn(total, heads, generator=gen) + 2.0)
-    beta = torch.rand(total, heads, generator=gen)
-    initial = torch.randn(len(lens), heads, dv, dk, generator=gen)
-    k, v, g, beta = (t.to(dtype).to(device) for t in (k, v, g, beta))
-    return k, v, g, beta, initial.to(device)
-
-
-@pytest.mark.parametrize(
-    "dtype,chunk_state_dtype,tolerance",
-    [
-        (torch.float32, torch.float32, 1e-5),
-        # SGLang's case: bf16 activations and bf16 chunk states (fla's h).  The bf16
-        # rounding of the chunk-start state (2^-9 relative) dominates the error.
-        (torch.bfloat16, torch.bfloat16, 1e-2),
-    ],
-    ids=["fp32", "bf16"],
-)
-def test_gdn_state_at_positions_matches_sequential_recurrence(device, dtype, chunk_state_dtype, tolerance):
-    heads, k_heads, dk, dv = 4, 2, 16, 12
-    k, v, g, beta, initial = _gdn_inputs(GDN_LENS, heads, k_heads, dk, dv, dtype, device, seed=0)
-    cu = _cu_seqlens(GDN_LENS, device)
-    chunk_states = _gdn_chunk_states(k, v, g, beta, cu, initial, GDN_LENS, 64).to(chunk_state_dtype)
-    seqs, positions = _gdn_queries(GDN_LENS)
-    query_seq = torch.tensor(seqs, device=device)
-    query_pos = torch.tensor(positions, dtype=torch.int32, device=device)
-
-    num_slots = len(seqs) + 5
-    dst = torch.full((num_slots, heads, dv, dk), float("nan"), device=device)
-    dst_slots = torch.randperm(num_slots, generator=torch.Generator().manual_seed(1))[: len(seqs)].to(device)
-    gdn_state_at_positions(
-        k, v, g, beta, cu, chunk_states.unsqueeze(0), query_seq, query_pos, dst, dst_slots
-    )
-
-    expected = gdn_state_at_positions_reference(k, v, g, beta, cu, initial, query_seq, query_pos)
-    got = dst[dst_slots.long()]
-    assert _relative_error(got, expected) <= tolerance
-    untouched = torch.ones(num_slots, dtype=torch.bool, device=device)
-    untouched[dst_slots.long()] = False
-    assert dst[untouched].isnan().all(), "only the destination slots may be written"
-
-
-def test_gdn_state_at_positions_rejects_bad_queries(device):
-    lens = [10, 70]
-    k, v, g, beta, initial = _gdn_inputs(lens, 2, 2, 8, 8, torch.float32, device, seed=2)
-    cu = _cu_seqlens(lens, device)
-    chunk_states = _gdn_chunk_states(k, v, g, beta, cu, initial, lens, 64)
-    dst = torch.zeros(4, 2, 8, 8, device=device)
-
-    def call(seqs, positions, slots, states=chunk_states):
-        gdn_state_at_positions(
-            k, v, g, beta, cu, states,
-            torch.tensor(seqs, device=device), torch.tensor(positions, device=device),
-            dst, torch.tensor(slots, device=device),
-        )
-
-    with pytest.raises(IndexError, match="query_pos"):
-        call([0], [11], [0])
-    with pytest.raises(IndexError, match="query_seq"):
-        call([2], [0], [0])
-    with pytest.raises(IndexError, match="dst_slots"):
-        call([0], [3], [4])
-    with pytest.raises(ValueError, match="duplicates"):
-        call([0, 1], [3, 4], [1, 1])
-    with pytest.raises(ValueError, match="chunks"):
-        call([0], [3], [0], states=chunk_states[:2])
+def test_capture_index_rejects_bad_captures():
+    build = CaptureIndex.build
+    with pytest.raises(IndexError, match="positions"):
+        build([10, 70], [False, False], [0], [11], [0], "cpu")
+    with pytest.raises(IndexError, match="sequences"):
+        build([10, 70], [False, False], [2], [0], [0], "cpu")
+    with pytest.raises(ValueError, match="same checkpoint slot"):
+        build([10, 70], [False, False], [0, 1], [3, 4], [1, 1], "cpu")
+    with pytest.raises(ValueError, match="no tokens"):
+        build([10, 0], [False, False], [1], [0], [1], "cpu")
+    with pytest.raises(IndexError, match="non-negative"):
+        build([10], [False], [0], [1], [-1], "cpu")
 
 
 # ----------------------------------------------------------------------------- Mamba2
@@ -251,11 +209,11 @@ def _mamba_inputs(dtype, device, seed):
     dt = F.softplus(torch.randn(total, heads, generator=gen) - 1.0)
     A = -torch.rand(heads, generator=gen) * 2.0
     B = torch.randn(total, groups, state_dim, generator=gen)
-    initial_rows = torch.randn(3, heads, head_dim, state_dim, generator=gen)
-    # Sequence i enters with row initial_indices[i]; -1 starts from zeros.
-    initial_indices = torch.tensor([2, -1, 0, 1, -1])
+    initial_states = torch.randn(3, heads, head_dim, state_dim, generator=gen)
+    # Sequence i enters with row initial_rows[i]; -1 starts from zeros.
+    initial_rows = [2, -1, 0, 1, -1]
     x, B = (t.to(dtype).to(device) for t in (x, B))
-    return x, dt.to(device), A.to(device), B, initial_rows.to(device), initial_indices.to(device)
+    return x, dt.to(device), A.to(device), B, initial_states.to(device), initial_rows
 
 
 def _mamba_packed_chunk_states(x, dt, A, B, cu, initial_per_seq):
@@ -270,58 +228,52 @@ def _mamba_packed_chunk_states(x, dt, A, B, cu, initial_per_seq):
         seqs.append(s)
         positions.append(boundary - bounds[s])
     dev = x.device
-    states = mamba2_state_at_positions_reference(
+    states = mamba2_states_reference(
         x, dt, A, B, cu, initial_per_seq, torch.tensor(seqs, device=dev), torch.tensor(positions, device=dev)
     )
     return torch.cat([torch.full_like(states[:1], float("nan")), states])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_mamba2_state_at_positions_matches_sequential_recurrence(device, dtype):
+def test_mamba2_capture_matches_sequential_recurrence(device, dtype):
     # fp32 chunk states (SGLang passes state_dtype = the pool's fp32), so bf16 x / B only
-    # change the inputs both sides read: the same 1e-5 bound holds.
-    x, dt, A, B, initial_rows, initial_indices = _mamba_inputs(dtype, device, seed=3)
+    # change the inputs both sides read: the same bound holds.
+    x, dt, A, B, initial_states, initial_rows = _mamba_inputs(dtype, device, seed=3)
     cu = _cu_seqlens(MAMBA_LENS, device)
     initial_per_seq = torch.stack([
-        initial_rows[i] if i >= 0 else torch.zeros_like(initial_rows[0]) for i in initial_indices.tolist()
+        initial_states[i] if i >= 0 else torch.zeros_like(initial_states[0]) for i in initial_rows
     ])
     chunk_states = _mamba_packed_chunk_states(x, dt, A, B, cu, initial_per_seq)
-    seqs, positions = [], []
-    for s, n in enumerate(MAMBA_LENS):
-        for p in sorted({0, 1, 2, 15, 16, 17, n - 1, n}):
-            if 0 <= p <= n:
-                seqs.append(s)
-                positions.append(p)
-    query_seq = torch.tensor(seqs, device=device)
-    query_pos = torch.tensor(positions, device=device)
+    seqs, positions = _queries(MAMBA_LENS, {0, 1, 2, 15, 16, 17})
 
     dst = torch.full((len(seqs) + 2, *chunk_states.shape[1:]), float("nan"), device=device)
-    dst_slots = torch.arange(len(seqs), device=device) + 2
-    mamba2_state_at_positions(
-        x.unsqueeze(0), dt.unsqueeze(0), A, B.unsqueeze(0), cu, chunk_states.unsqueeze(0),
-        query_seq, query_pos, dst, dst_slots,
-        initial_states=initial_rows, initial_state_indices=initial_indices, chunk_size=MAMBA_CHUNK,
+    slots = [q + 2 for q in range(len(seqs))]
+    mamba2_capture_states(
+        x.unsqueeze(0), dt.unsqueeze(0), A, B.unsqueeze(0), cu.tolist(), chunk_states.unsqueeze(0),
+        seqs, positions, dst, slots,
+        initial_states=initial_states, initial_rows=initial_rows, chunk_size=MAMBA_CHUNK,
     )
 
-    expected = mamba2_state_at_positions_reference(x, dt, A, B, cu, initial_per_seq, query_seq, query_pos)
-    assert _relative_error(dst[2:], expected) <= 1e-5
+    expected = mamba2_states_reference(
+        x, dt, A, B, cu, initial_per_seq, torch.tensor(seqs, device=device), torch.tensor(positions, device=device)
+    )
+    assert _relative_error(dst[2:], expected) <= FP32_PRODUCT_TOLERANCE
     assert dst[:2].isnan().all()
 
 
-def test_mamba2_state_at_positions_without_initial_states(device):
+def test_mamba2_capture_without_initial_states(device):
     x, dt, A, B, _, _ = _mamba_inputs(torch.float32, device, seed=4)
     cu = _cu_seqlens(MAMBA_LENS, device)
     chunk_states = _mamba_packed_chunk_states(x, dt, A, B, cu, None)
-    query_seq = torch.tensor([0, 1, 2, 4, 4], device=device)
-    query_pos = torch.tensor([5, 20, 0, 1, 33], device=device)
+    seqs, positions = [0, 1, 2, 4, 4], [5, 20, 0, 1, 33]
     dst = torch.empty(5, *chunk_states.shape[1:], device=device)
-    mamba2_state_at_positions(
-        x, dt, A, B, cu, chunk_states, query_seq, query_pos, dst, torch.arange(5, device=device),
-        chunk_size=MAMBA_CHUNK,
+    mamba2_capture_states(x, dt, A, B, cu.tolist(), chunk_states, seqs, positions, dst, range(5),
+                          chunk_size=MAMBA_CHUNK)
+    expected = mamba2_states_reference(
+        x, dt, A, B, cu, None, torch.tensor(seqs, device=device), torch.tensor(positions, device=device)
     )
-    expected = mamba2_state_at_positions_reference(x, dt, A, B, cu, None, query_seq, query_pos)
     assert torch.equal(dst[2], torch.zeros_like(dst[2])), "an empty prefix without initial state is zero"
-    assert _relative_error(dst, expected) <= 1e-5
+    assert _relative_error(dst, expected) <= FP32_PRODUCT_TOLERANCE
 
 
 # ----------------------------------------------------------------------------- conv
@@ -330,38 +282,54 @@ CONV_LENS = [1, 2, 9, 5]
 CONV_DIM, CONV_WIDTH = 10, 3
 
 
-@pytest.mark.parametrize("with_initial", [True, False], ids=["initial_state", "zeros"])
-def test_conv_state_at_positions_bit_exact(device, with_initial):
+@pytest.mark.parametrize("with_entering", [True, False], ids=["entering_state", "zeros"])
+def test_conv_capture_bit_exact(device, with_entering):
     gen = torch.Generator().manual_seed(5)
     total = sum(CONV_LENS)
     # SGLang keeps the pre-conv activations as (dim, T); pass the transposed view.
     x_dim_major = _random_bits((CONV_DIM, total), torch.bfloat16, gen, device)
     x = x_dim_major.t()
     cu = _cu_seqlens(CONV_LENS, device)
-    seqs, positions = [], []
-    for s, n in enumerate(CONV_LENS):
-        for p in sorted({0, 1, 2, 3, n - 1, n}):
-            if 0 <= p <= n:
-                seqs.append(s)
-                positions.append(p)
-    query_seq = torch.tensor(seqs, device=device)
-    query_pos = torch.tensor(positions, device=device)
-
-    kwargs, initial_per_seq = {}, None
-    if with_initial:
-        initial_rows = _random_bits((3, CONV_DIM, CONV_WIDTH), torch.bfloat16, gen, device)
-        initial_indices = torch.tensor([1, -1, 0, 2], device=device)
-        kwargs = dict(initial_states=initial_rows, initial_state_indices=initial_indices)
-        initial_per_seq = torch.stack([
-            initial_rows[i] if i >= 0 else torch.zeros_like(initial_rows[0]) for i in initial_indices.tolist()
-        ])
+    seqs, positions = _queries(CONV_LENS, {0, 1, 2, 3})
+    # Live-pool rows the sequences entered with; those that do not continue start from zeros.
+    entering_states = _random_bits((4, CONV_DIM, CONV_WIDTH), torch.bfloat16, gen, device)
+    entering_rows = torch.tensor([1, 3, 0, 2], dtype=torch.int32, device=device)
+    continues = [True, False, True, True] if with_entering else [False] * 4
+    initial_per_seq = torch.stack([
+        entering_states[row] if go_on else torch.zeros_like(entering_states[0])
+        for row, go_on in zip(entering_rows.tolist(), continues)
+    ])
 
     num_slots = len(seqs) + 3
     sentinel = _random_bits((num_slots, CONV_DIM, CONV_WIDTH), torch.bfloat16, gen, device)
     dst = sentinel.clone()
-    dst_slots = torch.arange(len(seqs), device=device).flip(0) + 3
-    conv_state_at_positions(x, cu, query_seq, query_pos, dst, dst_slots, **kwargs)
+    slots = [q + 3 for q in reversed(range(len(seqs)))]
+    index = CaptureIndex.build(CONV_LENS, continues, seqs, positions, slots, device)
+    conv_capture_states(x, index, dst, entering_states, entering_rows)
 
-    expected = conv_state_at_positions_reference(x, cu, initial_per_seq, query_seq, query_pos, CONV_WIDTH)
-    assert torch.equal(_bits(dst[dst_slots]), _bits(expected))
+    expected = conv_states_reference(
+        x, cu, initial_per_seq, torch.tensor(seqs, device=device), torch.tensor(positions, device=device),
+        CONV_WIDTH,
+    )
+    assert torch.equal(_bits(dst[torch.tensor(slots, device=device)]), _bits(expected))
     assert torch.equal(_bits(dst[:3]), _bits(sentinel[:3]))
+
+
+def test_mamba2_capture_applies_the_scans_dt_bias_and_softplus(device):
+    # The mixer passes dt raw; the scan (and the capture) add dt_bias, softplus, clamp.
+    x, _, A, B, _, _ = _mamba_inputs(torch.float32, device, seed=6)
+    gen = torch.Generator().manual_seed(7)
+    raw_dt = (torch.randn(x.shape[0], x.shape[1], generator=gen) * 4).to(device)
+    raw_dt[0, 0] = 30.0  # past softplus' linear threshold (20)
+    dt_bias = torch.randn(x.shape[1], generator=gen).to(device)
+    dt = torch.where(raw_dt + dt_bias <= 20.0, F.softplus(raw_dt + dt_bias), raw_dt + dt_bias).clamp(0.0, 5.0)
+    cu = _cu_seqlens(MAMBA_LENS, device)
+    chunk_states = _mamba_packed_chunk_states(x, dt, A, B, cu, None)
+    seqs, positions = _queries(MAMBA_LENS, {1, 7, 16, 17})
+    dst = torch.empty(len(seqs), *chunk_states.shape[1:], device=device)
+    mamba2_capture_states(x, raw_dt, A, B, cu.tolist(), chunk_states, seqs, positions, dst, range(len(seqs)),
+                          dt_bias=dt_bias, dt_softplus=True, dt_limit=(0.0, 5.0), chunk_size=MAMBA_CHUNK)
+    expected = mamba2_states_reference(
+        x, dt, A, B, cu, None, torch.tensor(seqs, device=device), torch.tensor(positions, device=device)
+    )
+    assert _relative_error(dst, expected) <= FP32_PRODUCT_TOLERANCE

@@ -14,6 +14,7 @@ from sglang.srt.mem_cache.unified_cache.components.base import ComponentType
 
 from cache_fixtures import ValueByDepth, build, fingerprint, serve, tree_nodes, write_checkpoint_slot, write_live_state
 from sglang_hybrid.cache.semantic_cache import SemanticStateCache
+from sglang_hybrid.kernels import MIN_CAPTURE_SPACING
 from sglang_hybrid.cache.semantic_component import node_depth
 from sglang_hybrid.replay.shared_data import QWEN3_TEMPLATE, SWE_AGENT_TRAJ
 
@@ -159,8 +160,8 @@ def test_staged_checkpoints_attach_at_their_depths_and_serve_a_branch():
     driver = build("semantic")
     system = list(range(500, 560))
     user_a, user_b = [1] * 20, [2] * 25
-    serve(driver, system + user_a, [3, 3], anchors=[len(system), len(system) + 10])
-    assert checkpoint_depths(driver.cache) == [60, 70, 82]
+    serve(driver, system + user_a, [3, 3], anchors=[len(system), len(system) + 16])
+    assert checkpoint_depths(driver.cache) == [60, 76, 82]
     result = serve(driver, system + user_b, [4])
     assert result.device_prefix_len == len(system)
     assert_slot_accounting(driver)
@@ -275,8 +276,10 @@ def test_edit_then_match_on_swe_agent_trace_restores_deepest_checkpoint_before_d
     driver = build("semantic", checkpoint_slots=4096, kv_size=1 << 19, max_context_len=1 << 16)
     history: list[tuple[list[int], list[int]]] = []  # (sequence, checkpoint depths) served
     for prompt, output in swe_agent_prompts:
-        anchors = [int(p) for p in detector.detect(prompt).unique_positions() if 0 < p < len(prompt)]
-        anchors.append(len(prompt) - 1)
+        anchors = []  # every detected anchor, spaced as the planning spaces checkpoints
+        for position in [*detector.detect(prompt).unique_positions(), len(prompt) - 1]:
+            if 0 < position < len(prompt) and (not anchors or position - anchors[-1] >= MIN_CAPTURE_SPACING):
+                anchors.append(int(position))
         expected = 0
         for sequence, depths in history:
             lcp = next((i for i, (x, y) in enumerate(zip(sequence, prompt)) if x != y), min(len(sequence), len(prompt)))

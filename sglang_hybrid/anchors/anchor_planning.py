@@ -12,6 +12,10 @@ prompt's anchors and picks depths by ``mode``:
 
 A request belongs to the session its client named, else to the session whose checkpoint it
 restored (an agent's next call continues from its previous call's state), else to itself.
+Of depths closer than ``MIN_CAPTURE_SPACING`` to each other only one is planned, the one the
+planner values most (else the shallower, which an edit past it can still use): the other
+would save fewer tokens than the spacing, and the prefill's capture bounds how many share a
+chunk.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from sglang_hybrid.anchors.detector import AnchorDetector, AnchorKind
 from sglang_hybrid.anchors.hints import HintMode
 from sglang_hybrid.anchors.planner import CheckpointPlanner, Purpose, RequestContext
 from sglang_hybrid.cache.planning import CheckpointId, RequestToPlan
+from sglang_hybrid.kernels import MIN_CAPTURE_SPACING
 
 
 class AnchorPlanning:
@@ -47,11 +52,12 @@ class AnchorPlanning:
     def plan(self, request: RequestToPlan) -> list[int]:
         session = request.session or self._session_of(request.restored) or request.rid
         self._sessions[request.rid] = session
-        wanted = self._wanted(session, request)
-        self._purposes[request.rid] = dict(wanted)
-        return [depth for depth, _ in wanted]
+        wanted = _spaced(self._wanted(session, request))
+        self._purposes[request.rid] = {depth: purpose for depth, purpose, _ in wanted}
+        return [depth for depth, _, _ in wanted]
 
-    def _wanted(self, session: str, request: RequestToPlan) -> list[tuple[int, Purpose]]:
+    def _wanted(self, session: str, request: RequestToPlan) -> list[tuple[int, Purpose, float]]:
+        """(depth, purpose, value): the planner's expected saving, 0 for the other modes."""
         hint = request.hint
         prompt_len = int(request.prompt.shape[0])
         if self.planner is not None:
@@ -67,7 +73,7 @@ class AnchorPlanning:
                 free_slots=request.free_slots,
                 hint=hint,
             ))  # fmt: skip
-            return [(c.depth, c.purpose) for c in plan.checkpoints]
+            return [(c.depth, c.purpose, c.value) for c in plan.checkpoints]
         mode = hint.mode if hint is not None else None
         if mode is HintMode.NONE or (mode is None and self.mode == "none"):
             return []
@@ -77,7 +83,7 @@ class AnchorPlanning:
             depths = np.unique(self.detector.detect(request.prompt).of_kind(AnchorKind.MESSAGE_START)).tolist()
         else:
             return []
-        return [(int(d), Purpose.HINT) for d in depths if request.restored_depth < d <= prompt_len]
+        return [(int(d), Purpose.HINT, 0.0) for d in depths if request.restored_depth < d <= prompt_len]
 
     def _session_of(self, restored: Optional[CheckpointId]) -> Optional[str]:
         if self.planner is None or restored is None:
@@ -116,3 +122,13 @@ class AnchorPlanning:
     def released(self, rid: str) -> None:
         self._sessions.pop(rid, None)
         self._purposes.pop(rid, None)
+
+
+def _spaced(wanted: list[tuple[int, Purpose, float]]) -> list[tuple[int, Purpose, float]]:
+    """``wanted`` by depth, without a depth within ``MIN_CAPTURE_SPACING`` of one worth more
+    (of equal worth: of a shallower one)."""
+    kept: list[tuple[int, Purpose, float]] = []
+    for candidate in sorted(wanted, key=lambda item: (-item[2], item[0])):
+        if all(abs(candidate[0] - depth) >= MIN_CAPTURE_SPACING for depth, _, _ in kept):
+            kept.append(candidate)
+    return sorted(kept, key=lambda item: item[0])

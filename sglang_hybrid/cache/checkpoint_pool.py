@@ -30,7 +30,8 @@ from sglang.srt.mem_cache.allocator.mamba import MambaSlotAllocator
 
 from sglang_hybrid.cache.host_tier import HostCheckpointTier
 from sglang_hybrid.kernels import INTERPRET as KERNELS_INTERPRETED
-from sglang_hybrid.kernels import copy_states, copy_states_reference
+from sglang_hybrid.kernels import copy_states
+from sglang_hybrid.kernels.reference import copy_states_reference
 
 
 @dataclass(frozen=True)

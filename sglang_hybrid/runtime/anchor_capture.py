@@ -13,8 +13,9 @@ request's KV reaches its depth, or frees it if the request ends before.
 
 In a server, the model's recurrent layers then write the states at those positions into the
 staged slots during that same forward (``runtime/hooks.py``), reading the queries with
-``queries_for_forward``. The queries belong to the checkpoint pool the forward writes into,
-so caches in one process (tests, the replay's budgets) never see each other's.
+``queries_for_forward``: indexed once for all the forward's layers (``CaptureIndex``). The
+queries belong to the checkpoint pool the forward writes into, so caches in one process
+(tests, the replay's budgets) never see each other's.
 """
 
 from __future__ import annotations
@@ -23,10 +24,9 @@ import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Optional, Sequence, TypeVar
 
-import torch
-
 from sglang_hybrid.anchors.hints import RequestHints
 from sglang_hybrid.cache.semantic_cache import SemanticStateCache
+from sglang_hybrid.kernels import CaptureIndex
 
 if TYPE_CHECKING:
     from sglang.srt.managers.schedule_batch import Req
@@ -40,18 +40,15 @@ T = TypeVar("T")
 
 @dataclass(frozen=True)
 class CaptureQueries:
-    """States one forward must write: sequence ``seq[i]`` of the batch, after ``pos[i]`` of
-    the tokens it computes in this forward, into checkpoint slot ``slots[i]``."""
+    """States one forward must write, indexed for its kernels."""
 
-    seq: torch.Tensor
-    pos: torch.Tensor
-    slots: torch.Tensor
+    index: CaptureIndex
     # Per sequence of the batch, to check the forward is the one these were planned for.
     prefix_lens: tuple[int, ...]
     extend_lens: tuple[int, ...]
 
     def __len__(self) -> int:
-        return int(self.seq.shape[0])
+        return len(self.index)
 
 
 @dataclass
@@ -101,13 +98,12 @@ def prepare_forward(
     pool = cache.checkpoint_pool
     queries = None
     if seq:
-        queries = CaptureQueries(
-            seq=torch.tensor(seq, dtype=torch.int32, device=pool.device),
-            pos=torch.tensor(pos, dtype=torch.int32, device=pool.device),
-            slots=torch.tensor(slots, dtype=torch.int32, device=pool.device),
-            prefix_lens=tuple(int(r.prefix_len) for r in reqs),
-            extend_lens=tuple(int(r.extend_len) for r in reqs),
+        prefix_lens = tuple(int(r.prefix_len) for r in reqs)
+        extend_lens = tuple(int(r.extend_len) for r in reqs)
+        index = CaptureIndex.build(
+            extend_lens, [n > 0 for n in prefix_lens], seq, pos, slots, device=pool.device
         )
+        queries = CaptureQueries(index, prefix_lens, extend_lens)
     _next_forward[pool] = _NextForward(queries)
     return queries
 

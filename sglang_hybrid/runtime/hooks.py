@@ -6,15 +6,15 @@
   too).
 * ``GDNAttnBackend.forward_extend`` (every Gated DeltaNet layer of that forward): before the
   layer's convolution overwrites the entering conv states, the conv state at each queried
-  position is gathered from the pre-conv inputs (``conv_state_at_positions``); the layer then
+  position is gathered from the pre-conv inputs (``conv_capture_states``); the layer then
   runs as usual, and
-* ``GDNKernelDispatcher.extend`` (inside it): once the chunked scan has returned its
-  chunk-start states ``h``, the recurrent state at each queried position is that chunk's
-  start advanced over the few tokens before the position (``gdn_state_at_positions``),
-  written straight into the checkpoint slot of this layer.
+* ``GDNKernelDispatcher.extend`` (inside it): SGLang's chunked scan is asked to write the
+  state at each queried position straight into its checkpoint slot of this layer
+  (``snapshot_*``, patches/0002), exactly as a prefill that ended there would leave it.
 
 One forward thus captures every anchor of every request it computes, whatever their number,
-for the cost of one partial-chunk recurrence per anchor. The scheduler and the model runner
+for about the cost of writing the checkpoints; the index arithmetic is done once per forward,
+on the host (``CaptureIndex``), and no layer waits for the device. The scheduler and the model runner
 share a process (SGLang's TP worker runs in the scheduler process; ``no_buffer`` requires
 the overlap scheduler off), which is what lets the forward read what the scheduler planned.
 Models whose recurrent layers are not Gated DeltaNet get no in-prefill captures (the plugin
@@ -26,10 +26,7 @@ from __future__ import annotations
 import threading
 from typing import TYPE_CHECKING, Optional
 
-import torch
-import torch.nn.functional as F
-
-from sglang_hybrid.kernels import conv_state_at_positions, gdn_state_at_positions
+from sglang_hybrid.kernels import conv_capture_states
 from sglang_hybrid.runtime.anchor_capture import layer_captured, plan_around_prepare, queries_for_forward
 
 if TYPE_CHECKING:
@@ -42,9 +39,6 @@ GDN_FORWARD_EXTEND_TARGET = (
 GDN_KERNEL_EXTEND_TARGET = (
     "sglang.srt.layers.attention.linear.gdn_backend.GDNKernelDispatcher.extend"
 )
-# fla's in-kernel q/k normalisation (``use_qk_l2norm_in_kernel=True``) uses this epsilon.
-L2NORM_EPS = 1e-6
-
 # The GDN layer being captured, between its forward_extend and the kernel call inside it.
 _layer_capture = threading.local()
 
@@ -69,20 +63,11 @@ def capture_around_gdn_forward_extend(
     pool = backend.req_to_token_pool
     checkpoints = pool.mamba_ckpt_pool
     layer_index = pool.mamba2_layer_index(layer.layer_id)
-    live_conv = pool.mamba2_layer_cache(layer.layer_id).conv[0]
-    num_seqs = len(queries.prefix_lens)
-    metadata = backend.forward_metadata
-    live_rows = metadata.mamba_cache_indices[:num_seqs].to(torch.int64)
-    # A request without a prefix starts from zeros, whatever its live slot holds.
-    entering_rows = torch.where(
-        forward_batch.extend_prefix_lens[:num_seqs].to(live_rows.device) > 0,
-        live_rows,
-        torch.full_like(live_rows, -1),
-    )
-    conv_state_at_positions(
-        mixed_qkv, metadata.query_start_loc, queries.seq, queries.pos,
-        checkpoints.conv[0][layer_index], queries.slots,
-        initial_states=live_conv, initial_state_indices=entering_rows, validate=False,
+    # The live slots the batch's sequences run in: where a continuing one's state entered.
+    live_rows = backend.forward_metadata.mamba_cache_indices
+    conv_capture_states(
+        mixed_qkv, queries.index, checkpoints.conv[0][layer_index],
+        pool.mamba2_layer_cache(layer.layer_id).conv[0], live_rows,
     )  # fmt: skip
     _layer_capture.target = (queries, checkpoints.temporal[layer_index])
     try:
@@ -94,23 +79,23 @@ def capture_around_gdn_forward_extend(
 
 
 def capture_around_gdn_kernel_extend(original, dispatcher, q, k, v, g, beta, **kwargs):
-    result = original(dispatcher, q, k, v, g, beta, **kwargs)
     target = getattr(_layer_capture, "target", None)
     if target is None:
-        return result
+        return original(dispatcher, q, k, v, g, beta, **kwargs)
     queries, temporal_dst = target
-    chunk_states = result[2]
-    if chunk_states is None:
+    if not getattr(dispatcher.extend_kernel, "supports_position_snapshots", False):
         raise RuntimeError(
-            f"{type(dispatcher.extend_kernel).__name__}.extend returned no chunk states; "
-            "in-prefill checkpoints need them (use the Triton GDN prefill kernel)"
+            f"{type(dispatcher.extend_kernel).__name__} cannot write states at anchor "
+            "positions; the semantic backend plans in-prefill checkpoints only with the "
+            "Triton GDN prefill kernel and sglang-hybrid's patches installed"
         )
-    unit_k = F.normalize(k.float(), p=2, dim=-1, eps=L2NORM_EPS)
-    gdn_state_at_positions(
-        unit_k, v, g, beta, kwargs["query_start_loc"], chunk_states,
-        queries.seq, queries.pos, temporal_dst, queries.slots, validate=False,
+    index = queries.index
+    return original(
+        dispatcher, q, k, v, g, beta, **kwargs,
+        snapshot_states=temporal_dst, snapshot_chunk_ptr=index.snapshot_chunk_ptr,
+        snapshot_offsets=index.snapshot_offsets, snapshot_rows=index.snapshot_rows,
+        snapshots_per_chunk=index.snapshots_per_chunk,
     )  # fmt: skip
-    return result
 
 
 def _queries_for(backend, forward_batch) -> Optional["CaptureQueries"]:
