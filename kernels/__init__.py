@@ -7,7 +7,7 @@ from ._launch import INTERPRET
 from .capture_index import GDN_CHUNK_SIZE, MIN_CAPTURE_SPACING, CaptureIndex
 from .conv_capture import conv_capture_states
 from .mamba2_capture import NEMOTRON_H_CHUNK_SIZE, mamba2_capture_states
-from .state_copy import MAX_CONV_TENSORS, copy_states
+from .state_copy import MAX_CONV_TENSORS, copy_states, slot_major_bytes, slot_major_pool
 
 __all__ = [
     "GDN_CHUNK_SIZE",
@@ -19,4 +19,6 @@ __all__ = [
     "conv_capture_states",
     "copy_states",
     "mamba2_capture_states",
+    "slot_major_bytes",
+    "slot_major_pool",
 ]

@@ -1,16 +1,20 @@
 """Batched snapshot / restore of recurrent states between two slot pools in one launch.
 
-Both pools use SGLang's ``MambaPool.State`` layout: every conv tensor is
+Both pools are shaped as SGLang's ``MambaPool.State``: every conv tensor is
 ``(num_layers, num_slots, *conv_shape)`` and the temporal tensor is
-``(num_layers, num_slots, *temporal_shape)``.  A checkpoint pool has the same per-slot
-shapes and dtypes but its own number of slots, so the same function snapshots
-(working pool -> checkpoint pool) and restores (checkpoint pool -> working pool).
+``(num_layers, num_slots, *temporal_shape)``, with any layer and slot strides: layer-major
+as SGLang's pools, or slot-major (``slot_major_pool``: each slot one contiguous run of bytes,
+so moving it between device and host memory is one copy). Same per-slot shapes and dtypes,
+own number of slots: the same function snapshots (live pool -> checkpoint pool), restores
+(checkpoint pool -> live pool) and stages checkpoints for the host tier.
 
 The kernel copies raw machine words, never values: each tensor's per-slot row is
 reinterpreted as int32 (or int16 / uint8 when a row's byte size or stride does not allow
 it), so bf16 conv states and fp32 temporal states share one compiled kernel and the copy
 is bit-exact (NaN payloads and signed zeros included).
 """
+
+import math
 
 import torch
 import triton
@@ -267,3 +271,42 @@ def copy_states(
             BLOCK=block,
             num_warps=_GPU_NUM_WARPS,
         )
+
+
+# Segments of a slot start on 256-byte boundaries: every dtype's alignment, and whole cache
+# lines for the copy kernel's vector loads.
+_SEGMENT_ALIGNMENT = 256
+
+
+def _segments(num_layers: int, specs) -> tuple[list[int], int]:
+    offsets, end = [], 0
+    for shape, dtype in specs:
+        offsets.append(end)
+        nbytes = num_layers * math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        end += -(-nbytes // _SEGMENT_ALIGNMENT) * _SEGMENT_ALIGNMENT
+    return offsets, end
+
+
+def slot_major_bytes(num_layers: int, specs) -> int:
+    """Bytes of one slot of ``slot_major_pool`` (its tensors, each padded to 256 bytes)."""
+    return _segments(num_layers, specs)[1]
+
+
+def slot_major_pool(num_layers: int, specs, rows: int, device, pin_memory: bool = False, zeroed: bool = True):
+    """A pool of ``rows`` slots (zeroed, or left as allocated) whose every slot is one
+    contiguous run of bytes.
+
+    ``specs``: ``(shape, dtype)`` of each state tensor, the temporal one last. Returns
+    ``(storage, conv list, temporal)``: ``storage`` is ``(rows, slot_bytes)`` uint8 and the
+    others are typed ``(num_layers, rows, *shape)`` views of it, shaped as SGLang's
+    ``MambaPool`` but strided slot-major.
+    """
+    offsets, slot_bytes = _segments(num_layers, specs)
+    allocate = torch.zeros if zeroed else torch.empty
+    storage = allocate((rows, slot_bytes), dtype=torch.uint8, device=device, pin_memory=pin_memory)
+    views = []
+    for (shape, dtype), offset in zip(specs, offsets):
+        nbytes = num_layers * math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        typed = storage[:, offset:offset + nbytes].view(dtype)
+        views.append(typed.view(rows, num_layers, *shape).transpose(0, 1))
+    return storage, views[:-1], views[-1]

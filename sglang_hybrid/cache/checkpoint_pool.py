@@ -30,7 +30,7 @@ from sglang.srt.mem_cache.allocator.mamba import MambaSlotAllocator
 
 from sglang_hybrid.cache.host_tier import HostCheckpointTier
 from sglang_hybrid.kernels import INTERPRET as KERNELS_INTERPRETED
-from sglang_hybrid.kernels import copy_states
+from sglang_hybrid.kernels import copy_states, slot_major_pool
 from sglang_hybrid.kernels.reference import copy_states_reference
 
 
@@ -55,19 +55,24 @@ class StateLayout:
             temporal_dtype=cache.temporal.dtype,
         )
 
-    def allocate(self, rows: int, device, pin_memory: bool = False):
-        """Zeroed (conv list, temporal) tensors of ``rows`` slots in this layout."""
+    def allocate(self, rows: int, device):
+        """Zeroed (conv list, temporal) tensors of ``rows`` slots, laid out as SGLang's
+        ``MambaPool``: one contiguous ``(rows, *shape)`` block per layer, so a layer's slots
+        are what SGLang's kernels read and write (the GDN scan writes checkpoints into them)."""
         conv = [
-            torch.zeros((self.num_layers, rows, *shape), dtype=dtype, device=device, pin_memory=pin_memory)
+            torch.zeros((self.num_layers, rows, *shape), dtype=dtype, device=device)
             for shape, dtype in zip(self.conv_shapes, self.conv_dtypes)
         ]
-        temporal = torch.zeros(
-            (self.num_layers, rows, *self.temporal_shape),
-            dtype=self.temporal_dtype,
-            device=device,
-            pin_memory=pin_memory,
-        )
+        temporal = torch.zeros((self.num_layers, rows, *self.temporal_shape), dtype=self.temporal_dtype, device=device)
         return conv, temporal
+
+    def allocate_slot_major(self, rows: int, device, *, pin_memory: bool = False, zeroed: bool = True):
+        """``(storage, conv list, temporal)`` of ``rows`` slots, each slot one contiguous run of
+        ``slot_major_bytes`` (``slot_major_pool``): what moves between memories in one copy."""
+        return slot_major_pool(self.num_layers, self._tensor_specs(), rows, device, pin_memory, zeroed)
+
+    def _tensor_specs(self) -> list[tuple[tuple[int, ...], torch.dtype]]:
+        return [*zip(self.conv_shapes, self.conv_dtypes), (self.temporal_shape, self.temporal_dtype)]
 
     @property
     def bytes_per_slot(self) -> int:
@@ -148,7 +153,7 @@ class StateCheckpointPool:
     ) -> None:
         """Snapshot: copy live states into checkpoint slots (all layers, conv + temporal)."""
         cache = active_mamba_pool.mamba_cache
-        self._copy(
+        self.copy_slots(
             cache.conv, cache.temporal, self.conv, self.temporal,
             active_slots.view(-1), ckpt_slots.view(-1),
         )
@@ -158,12 +163,13 @@ class StateCheckpointPool:
     ) -> None:
         """Restore: copy checkpoints into live slots; the checkpoints themselves are only read."""
         cache = active_mamba_pool.mamba_cache
-        self._copy(
+        self.copy_slots(
             self.conv, self.temporal, cache.conv, cache.temporal,
             ckpt_slots.view(-1), active_slots.view(-1),
         )
 
-    def _copy(self, src_conv, src_temporal, dst_conv, dst_temporal, src_slots, dst_slots):
+    def copy_slots(self, src_conv, src_temporal, dst_conv, dst_temporal, src_slots, dst_slots):
+        """Copy slots between two pools of this layout (any layer and slot strides)."""
         # The Triton kernel needs a GPU, or kernels decorated under the interpreter on CPU
         # (tests, the reference engine); a CPU process without them takes the torch
         # reference, which the kernel tests hold bit-identical to the kernel.

@@ -5,11 +5,15 @@ about 63 MiB), while the host has tens of GB; restoring 63 MiB over PCIe 4 takes
 re-prefilling 10,000 tokens takes seconds. So a checkpoint evicted from the device pool is
 demoted here instead of dropped, and promoted back when a request restores from it.
 
-On a GPU the host rows are pinned and copies run on a side stream: a demotion is queued after
-the work that produced the state and the scheduler never waits on it; its device slot is
-handed back only once the copy has finished (``reclaim_finished``), so it cannot be
-overwritten mid-copy. A promotion waits for its own copy before the restore reads it. On CPU
-(tests, the reference engine) both tiers are plain tensors and copies are immediate.
+The host keeps each checkpoint as one contiguous run of bytes (``allocate_slot_major``), so a
+move is one DMA of the whole checkpoint: a demotion gathers the device slot's layers into a
+contiguous staging copy on the device (``copy_states``, at device bandwidth) and sends that;
+a promotion receives into staging and scatters it into the slot. On a GPU the host rows are
+pinned and both run on a side stream: a demotion is queued after the work that produced the
+state and the scheduler never waits on it; its device slot is handed back only once the copy
+has finished (``reclaim_finished``), so it cannot be overwritten mid-copy. A promotion
+orders the forward stream after its own copy before the restore reads it. On CPU (tests,
+the reference engine) the copies are immediate, without staging.
 """
 
 from __future__ import annotations
@@ -34,7 +38,9 @@ class HostCheckpointTier:
         self.device_pool = device_pool
         self.on_gpu = device_pool.device.type == "cuda"
         # Row 0 reserved, as in the device pool.
-        self.conv, self.temporal = layout.allocate(num_slots + 1, "cpu", pin_memory=self.on_gpu)
+        self.storage, self.conv, self.temporal = layout.allocate_slot_major(
+            num_slots + 1, "cpu", pin_memory=self.on_gpu
+        )
         self.allocator = MambaSlotAllocator(size=num_slots, device="cpu")
         self.stream = torch.cuda.Stream(device=device_pool.device) if self.on_gpu else None
         # (event, device slot) of demotions in flight: the slot is freed when the copy is done.
@@ -57,35 +63,46 @@ class HostCheckpointTier:
 
     def demote(self, device_slot: torch.Tensor, host_slot: torch.Tensor) -> None:
         """Copy a device checkpoint to ``host_slot``, then give ``device_slot`` back."""
-        d, h = int(device_slot), int(host_slot)
+        pool, d, h = self.device_pool, int(device_slot), int(host_slot)
         if not self.on_gpu:
-            self._copy_rows(self.device_pool, d, self, h)
-            self.device_pool.free(device_slot)
+            pool.copy_slots(pool.conv, pool.temporal, self.conv, self.temporal, _slot(d), _slot(h))
+            pool.free(device_slot)
             return
-        self.stream.wait_stream(torch.cuda.current_stream(self.device_pool.device))
+        self.stream.wait_stream(torch.cuda.current_stream(pool.device))
         with torch.cuda.stream(self.stream):
-            self._copy_rows(self.device_pool, d, self, h, non_blocking=True)
+            # Allocated on the side stream: the allocator reuses it only after this copy.
+            staging, staged_conv, staged_temporal = pool.layout.allocate_slot_major(1, pool.device, zeroed=False)
+            pool.copy_slots(pool.conv, pool.temporal, staged_conv, staged_temporal,
+                            _slot(d, pool.device), _slot(0, pool.device))
+            self.storage[h].copy_(staging[0], non_blocking=True)
             done = torch.cuda.Event()
             done.record(self.stream)
         self._pending_device_frees.append((done, device_slot))
 
     def promote(self, host_slot: torch.Tensor, device_slot: torch.Tensor) -> None:
         """Copy a host checkpoint into ``device_slot``; the host slot is given back."""
-        h, d = int(host_slot), int(device_slot)
-        if self.on_gpu:
-            with torch.cuda.stream(self.stream):
-                self._copy_rows(self, h, self.device_pool, d, non_blocking=True)
-            torch.cuda.current_stream(self.device_pool.device).wait_stream(self.stream)
-        else:
-            self._copy_rows(self, h, self.device_pool, d)
+        pool = self.device_pool
+        self._upload(int(host_slot), pool.conv, pool.temporal, int(device_slot))
         self.free(host_slot)
 
     def load_to_active(self, host_slot: torch.Tensor, active_mamba_pool, active_slot: torch.Tensor) -> None:
         """Restore straight from host into a live slot (used when no device slot is free)."""
-        h, a = int(host_slot), int(active_slot)
         cache = active_mamba_pool.mamba_cache
-        for src, dst in zip([*self.conv, self.temporal], [*cache.conv, cache.temporal]):
-            dst[:, a].copy_(src[:, h], non_blocking=self.on_gpu)
+        self._upload(int(host_slot), cache.conv, cache.temporal, int(active_slot))
+
+    def _upload(self, host_row: int, dst_conv, dst_temporal, dst_slot: int) -> None:
+        pool = self.device_pool
+        if not self.on_gpu:
+            pool.copy_slots(self.conv, self.temporal, dst_conv, dst_temporal, _slot(host_row), _slot(dst_slot))
+            return
+        forward_stream = torch.cuda.current_stream(pool.device)
+        self.stream.wait_stream(forward_stream)  # after the forward's earlier use of dst
+        with torch.cuda.stream(self.stream):
+            staging, staged_conv, staged_temporal = pool.layout.allocate_slot_major(1, pool.device, zeroed=False)
+            staging[0].copy_(self.storage[host_row], non_blocking=True)
+            pool.copy_slots(staged_conv, staged_temporal, dst_conv, dst_temporal,
+                            _slot(0, pool.device), _slot(dst_slot, pool.device))
+        forward_stream.wait_stream(self.stream)  # before the restore reads it
 
     def reclaim_finished(self) -> None:
         """Give back the device slots of demotions whose copy has completed."""
@@ -96,7 +113,7 @@ class HostCheckpointTier:
     def pending_device_slots(self) -> int:
         return len(self._pending_device_frees)
 
-    @staticmethod
-    def _copy_rows(src, src_row: int, dst, dst_row: int, non_blocking: bool = False) -> None:
-        for s, d in zip([*src.conv, src.temporal], [*dst.conv, dst.temporal]):
-            d[:, dst_row].copy_(s[:, src_row], non_blocking=non_blocking)
+
+def _slot(index: int, device="cpu") -> torch.Tensor:
+    # A fill kernel, not a host-to-device copy: nothing here may wait for the device.
+    return torch.full((1,), index, dtype=torch.int64, device=device)
