@@ -1,36 +1,40 @@
 #!/usr/bin/env bash
-# GPU check of the Triton state kernels: compiled kernel tests, then the bandwidth and
-# timing figures of bench/gpu_check.py, one "name: value" line each.  About 2-4 minutes.
+# GPU check of the state kernels: the kernel tests compiled on CUDA, then bench/gpu_check.py
+# (figures against SGLang's own GDN and SSD prefill kernels, one "name: value" line each,
+# one JSON). About 3-5 minutes on an H200, most of it Triton compiling and SGLang's autotuning.
 #
-# Needs a CUDA GPU and these Python packages (no sglang):
-#   torch, triton, pytest, numpy
-#
-# Usage: bash bench/gpu_check.sh   (from anywhere; extra args go to gpu_check.py)
+# Needs a CUDA GPU with torch, triton, pytest, numpy; no sglang. SGLang's kernels come from
+# the copy bench/gpu_ops.py makes (built here if sglang is importable, else it must be
+# there already, e.g. carried to the GPU host):
+#   python bench/gpu_ops.py --out build/gpu_ops      # where sglang is installed
+#   bash bench/gpu_check.sh [--out results/bench/gpu_check.json]
 set -euo pipefail
 
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+python="${PYTHON:-python3}"
+ops="${SGLANG_GPU_OPS:-$repo/build/gpu_ops}"
+if [ ! -d "$ops/sglang_gpu_ops" ]; then
+    "$python" "$repo/bench/gpu_ops.py" --out "$ops"
+fi
 
-# Make `sglang_hybrid.kernels` importable without installing the package (and without
-# importing the rest of sglang_hybrid, which needs sglang): a throwaway package whose
-# only content is the kernels directory, as pyproject's package-dir mapping does.
+# `sglang_hybrid.kernels` and `.patches` without installing the package (the rest of it
+# needs sglang): a throwaway package holding just those two, as pyproject maps them.
 shim="$(mktemp -d)"
 trap 'rm -rf "$shim"' EXIT
 mkdir -p "$shim/sglang_hybrid"
 : > "$shim/sglang_hybrid/__init__.py"
 ln -s "$repo/kernels" "$shim/sglang_hybrid/kernels"
-export PYTHONPATH="$shim${PYTHONPATH:+:$PYTHONPATH}"
+ln -s "$repo/patches" "$shim/sglang_hybrid/patches"
+export PYTHONPATH="$shim:$ops${PYTHONPATH:+:$PYTHONPATH}"
 
-# Compiled kernels on CUDA (tests/test_kernels.py defaults to the CPU interpreter).
+# Compiled kernels on CUDA (tests/test_kernels.py defaults to the CPU interpreter). From the
+# shim, with an empty pytest.ini and --noconftest, so the repository's own package dir,
+# pytest config and conftests (which import sglang) stay out of it.
 export TRITON_INTERPRET=0
-
-# Run from the shim: `python -m pytest` puts the working directory first on sys.path, and
-# the repository's own sglang_hybrid/ has no kernels subpackage.  An empty pytest.ini and
-# --noconftest keep the repository's pytest config and conftests (which may import
-# sglang) out of it.
 : > "$shim/pytest.ini"
 cd "$shim"
 set +e
-timeout 180 python -m pytest "$repo/tests/test_kernels.py" -q --noconftest -p no:cacheprovider \
+timeout 240 "$python" -m pytest "$repo/tests/test_kernels.py" -q --noconftest -p no:cacheprovider \
     2>&1 | tee "$shim/pytest.log"
 tests_rc=${PIPESTATUS[0]}
 set -e
@@ -38,5 +42,6 @@ summary="$(grep -E '[0-9]+ (passed|failed)' "$shim/pytest.log" | tail -n 1 || tr
 echo "kernel_tests_rc: $tests_rc"
 echo "kernel_tests: ${summary:-no summary (see above)}"
 
-timeout 150 python "$repo/bench/gpu_check.py" "$@"
+cd "$repo"
+"$python" "$repo/bench/gpu_check.py" "$@"
 exit "$tests_rc"
