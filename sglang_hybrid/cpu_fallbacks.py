@@ -317,6 +317,8 @@ def causal_conv1d_fn(
     )
     out = torch.empty_like(x)
     for seq, start, end, slot in _sequences(query_start_loc, cache_indices):
+        if end == start:
+            continue  # nothing to convolve; the state stays the sequence's
         prefix = conv_states[slot] if continues[seq] else x.new_zeros(x.shape[0], state_len)
         window = torch.cat([prefix.to(x.dtype), x[:, start:end]], dim=-1)
         out[:, start:end] = _conv_window(

@@ -31,7 +31,7 @@ from sglang_hybrid.compatibility import REQUIRED_MAMBA_STRATEGY, REQUIRED_PAGE_S
 from sglang_hybrid.config import AUTO_TEMPLATE_FAMILY, SemanticCacheConfig
 from sglang_hybrid.cpu_fallbacks import install_cpu_fallbacks
 from sglang_hybrid.metrics import install_request_info_hook, subscribe_metrics
-from sglang_hybrid.request_hints import install_checkpoint_hint_hook
+from sglang_hybrid.request_validation import install_request_validation_hook
 from sglang_hybrid.runtime.hooks import install_anchor_capture_hooks
 
 logger = logging.getLogger(__name__)
@@ -50,7 +50,7 @@ def register() -> None:
     install_cpu_fallbacks()
     if BACKEND_NAME not in registered_radix_cache_backends():
         register_radix_cache_backend(BACKEND_NAME, build_semantic_state_cache)
-        install_checkpoint_hint_hook()
+        install_request_validation_hook()
         install_request_info_hook()
         install_anchor_capture_hooks()
 

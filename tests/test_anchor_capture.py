@@ -252,6 +252,34 @@ def test_chunked_prefill_captures_each_depth_in_the_forward_that_crosses_it():
     assert pool.used_size() == 0, "an aborted request's staged slots leaked"
 
 
+def test_a_request_whose_planning_fails_is_served_without_checkpoints(monkeypatch, caplog):
+    driver = _tiny_lifecycle("none")
+    pool = driver.cache.checkpoint_pool
+    planning = driver.cache.planning
+    plan = planning.plan
+
+    def plan_then_fail_on_staging(request):
+        depths = plan(request)
+        monkeypatch.setattr(planning, "staged", lambda *args: (_ for _ in ()).throw(KeyError("planner bug")))
+        return depths
+
+    monkeypatch.setattr(planning, "plan", plan_then_fail_on_staging)
+    failing = driver.new_request(list(range(1, 101)), hint=[10, 50])
+    driver.admit(failing)
+    assert driver.start([failing]) is None  # no exception into the scheduler, nothing captured
+    assert "served without in-prefill checkpoints" in caplog.text
+    assert pool.used_size() == 0, "the staged slot of a failed plan leaked"
+    failing.prefix_len, failing.extend_end = 50, 100
+    assert driver.start([failing]) is None  # not planned again
+    driver.finish(failing)
+
+    monkeypatch.setattr(planning, "plan", plan)
+    monkeypatch.undo()
+    healthy = driver.new_request(list(range(200, 300)), hint=[10, 50])
+    driver.admit(healthy)
+    assert _positions(driver.start([healthy])) == [10, 50]
+
+
 def test_messages_mode_stages_every_message_start_past_the_restored_prefix():
     driver = _tiny_lifecycle("messages")
     prompt = _chat_prompt()

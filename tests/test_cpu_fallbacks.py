@@ -14,7 +14,6 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 from transformers.models.qwen3_next.modeling_qwen3_next import (  # noqa: E402
     causal_conv1d_update as hf_causal_conv1d_update,
 )
@@ -175,6 +174,23 @@ def test_causal_conv1d_fn_continues_only_sequences_with_initial_state():
         torch.testing.assert_close(conv_states[slot], ref_state[0])
     untouched = [s for s in range(NUM_SLOTS) if s not in slots]
     assert torch.equal(conv_states[untouched], before[untouched])
+
+
+def test_causal_conv1d_fn_leaves_an_empty_extend_as_it_found_it():
+    gen, weight, bias = _conv_params(seed=4)
+    x = torch.randn(CONV_DIM, 5, generator=gen)
+    conv_states = torch.randn(NUM_SLOTS, CONV_DIM, CONV_WIDTH - 1, generator=gen)
+    before = conv_states.clone()
+    out = causal_conv1d_fn(
+        x, weight, bias, conv_states,
+        query_start_loc=torch.tensor([0, 0, 5], dtype=torch.int32),
+        seq_lens_cpu=[0, 5],
+        cache_indices=torch.tensor([1, 2], dtype=torch.int32),
+        has_initial_state=torch.tensor([True, False]),
+        activation="silu",
+    )  # fmt: skip
+    assert out.shape == x.shape
+    assert torch.equal(conv_states[1], before[1])
 
 
 @pytest.mark.parametrize("tokens_per_row", [None, 3])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 from collections import defaultdict
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -21,9 +22,15 @@ from sglang_hybrid.anchors.hints import (
     InvalidCheckpointHint,
     validate_request_hint,
 )
-from sglang_hybrid.request_hints import _validate_hint_at_tokenization, install_checkpoint_hint_hook
+from sglang_hybrid.request_validation import (
+    InvalidPrompt,
+    _validate_at_tokenization,
+    install_request_validation_hook,
+    validate_prompt,
+)
 
 PROMPT_IDS = list(range(1000, 1100))
+VOCAB_SIZE = 2048
 
 
 def with_hint(hint, **other) -> dict:
@@ -112,8 +119,9 @@ def test_valid_hint_goes_on_to_sglangs_tokenization_in_canonical_form():
         return "tokenized"
 
     request = GenerateReqInput(input_ids=PROMPT_IDS, sampling_params=with_hint(np.array([3, 7])))
-    result = _validate_hint_at_tokenization(
-        sglang_tokenization, None, request, None, PROMPT_IDS, None, None, None
+    manager = SimpleNamespace(model_config=SimpleNamespace(vocab_size=VOCAB_SIZE))
+    result = _validate_at_tokenization(
+        sglang_tokenization, manager, request, None, PROMPT_IDS, None, None, None
     )
     assert result == "tokenized"
     [(params, input_ids, rest)] = received
@@ -131,9 +139,16 @@ def hooked_tokenizer_manager(monkeypatch):
     monkeypatch.setattr(
         TokenizerManager, "_create_tokenized_object", TokenizerManager._create_tokenized_object
     )
-    install_checkpoint_hint_hook()
+    install_request_validation_hook()
     HookRegistry.apply_hooks()
     return TokenizerManager
+
+
+def _manager_failing_in_the_hook(manager_class):
+    """A manager with only what the hook reads: the request must fail before SGLang's code."""
+    manager = object.__new__(manager_class)
+    manager.model_config = SimpleNamespace(vocab_size=VOCAB_SIZE)
+    return manager
 
 
 def test_hook_target_has_the_arguments_the_hook_reads():
@@ -142,15 +157,58 @@ def test_hook_target_has_the_arguments_the_hook_reads():
 
 
 def test_hooked_tokenization_refuses_an_invalid_hint(hooked_tokenizer_manager):
-    manager = object.__new__(hooked_tokenizer_manager)  # the hook fails before SGLang's code runs
+    manager = _manager_failing_in_the_hook(hooked_tokenizer_manager)
     request = GenerateReqInput(input_ids=PROMPT_IDS, sampling_params=with_hint([50, 40]))
     with pytest.raises(InvalidCheckpointHint, match="not sorted"):
         manager._create_tokenized_object(request, None, PROMPT_IDS)
 
 
 def test_hooked_tokenization_measures_embedding_prompts(hooked_tokenizer_manager):
-    manager = object.__new__(hooked_tokenizer_manager)
+    manager = _manager_failing_in_the_hook(hooked_tokenizer_manager)
     embeds = [[0.0] * 4] * 8
     request = GenerateReqInput(input_embeds=embeds, sampling_params=with_hint([9]))
     with pytest.raises(InvalidCheckpointHint, match=r"out of range \[1, 8\]"):
         manager._create_tokenized_object(request, None, None, embeds)
+
+
+@pytest.mark.parametrize("custom_params", ["x", [1], 3, True])
+def test_custom_params_that_is_not_an_object_is_a_client_error(custom_params):
+    with pytest.raises(InvalidCheckpointHint, match="custom_params must be a JSON object"):
+        validate_request_hint({"custom_params": custom_params}, len(PROMPT_IDS))
+
+
+@pytest.mark.parametrize(
+    "input_ids, prompt_len, message",
+    [
+        ([], 0, "the prompt is empty"),
+        (None, 0, "the prompt is empty"),
+        ([5, VOCAB_SIZE], 2, rf"input_ids\[1\] = {VOCAB_SIZE} is not a token id"),
+        ([5, -1, 7], 3, r"input_ids\[1\] = -1 is not a token id"),
+        ([5, 2.0], 2, "flat list of integer token ids"),
+        ([True, False], 2, "flat list of integer token ids"),
+        ([[1, 2]], 1, "flat list of integer token ids"),
+    ],
+)
+def test_prompts_no_forward_can_run_are_client_errors(input_ids, prompt_len, message):
+    with pytest.raises(InvalidPrompt, match=message):
+        validate_prompt(input_ids, prompt_len, VOCAB_SIZE)
+    assert issubclass(InvalidPrompt, ValueError)  # what SGLang's routes answer with 400
+
+
+def test_prompts_within_the_vocabulary_pass():
+    validate_prompt(PROMPT_IDS, len(PROMPT_IDS), VOCAB_SIZE)
+    validate_prompt([0, VOCAB_SIZE - 1], 2, VOCAB_SIZE)
+    validate_prompt(None, 8, VOCAB_SIZE)  # embeddings: nothing to look up
+
+
+@pytest.mark.parametrize(
+    "input_ids, sampling_params",
+    [([], {}), ([1, VOCAB_SIZE + 5], {}), (PROMPT_IDS, {"custom_params": "x"})],
+)
+def test_hooked_tokenization_refuses_what_would_fail_in_the_scheduler(
+    hooked_tokenizer_manager, input_ids, sampling_params
+):
+    manager = _manager_failing_in_the_hook(hooked_tokenizer_manager)
+    request = GenerateReqInput(input_ids=input_ids, sampling_params=sampling_params)
+    with pytest.raises(ValueError):
+        manager._create_tokenized_object(request, None, input_ids)

@@ -6,7 +6,7 @@ prompt tokens) or a named mode. It travels in a request's
 ``extra_body={"custom_params": {...}}``), beside the agent session the request belongs to.
 Hints arrive from untrusted requests, so validation is strict and its errors are meant to be
 returned to the client as HTTP 400 with the message as is. The server validates where it
-tokenizes a request (``request_hints.py``); a request served outside a server
+tokenizes a request (``request_validation.py``); a request served outside a server
 (``harness/lifecycle.py``) passes the same validation.
 """
 
@@ -116,8 +116,12 @@ def validate_request_hint(sampling_params: Optional[dict], prompt_len: int) -> O
     with status 400 and the message).
     """
     custom_params = (sampling_params or {}).get("custom_params")
-    if not isinstance(custom_params, dict):
+    if custom_params is None:
         return sampling_params
+    if not isinstance(custom_params, dict):
+        raise InvalidCheckpointHint(
+            f"custom_params must be a JSON object, got {type(custom_params).__name__} {custom_params!r:.80}"
+        )
     session = custom_params.get(SESSION_PARAM)
     if session is not None and (
         not isinstance(session, str) or not 0 < len(session) <= MAX_SESSION_ID_CHARS

@@ -216,6 +216,13 @@ class SemanticStateCache(UnifiedRadixCache):
             staged.append((depth, checkpoint))
         return staged
 
+    def abandon_checkpoints(self, req: "Req") -> None:
+        """Serve ``req`` without in-prefill checkpoints: its staged slots are freed and it is
+        not planned again (what a request whose planning failed falls back to)."""
+        self._planned.add(req.rid)
+        for _, slot in self._staged.pop(req.rid, ()):
+            self.checkpoint_pool.free(slot)
+
     def stage_checkpoint(self, req: "Req", depth: int, slot: torch.Tensor) -> None:
         """Hand over a checkpoint slot holding ``req``'s state after its first ``depth`` tokens.
 

@@ -20,6 +20,7 @@ queries belong to the checkpoint pool the forward writes into, so caches in one 
 
 from __future__ import annotations
 
+import logging
 import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Optional, Sequence, TypeVar
@@ -36,6 +37,7 @@ if TYPE_CHECKING:
 
 
 T = TypeVar("T")
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -85,8 +87,7 @@ def prepare_forward(
     seq, pos, slots = [], [], []
     for index, (req, source) in enumerate(zip(reqs, restored)):
         if not cache.has_planned(req):
-            hints = RequestHints.of(req.sampling_params.custom_params, len(req.origin_input_ids))
-            cache.plan_checkpoints(req, restored=source, hint=hints.hint, session=hints.session)
+            _plan(cache, req, source)
         start, length = int(req.prefix_len), int(req.extend_len)
         # Planned depths lie past the restored prefix and forwards advance monotonically, so
         # a staged depth at or before this forward's start was captured by an earlier one.
@@ -106,6 +107,22 @@ def prepare_forward(
         queries = CaptureQueries(index, prefix_lens, extend_lens)
     _next_forward[pool] = _NextForward(queries)
     return queries
+
+
+def _plan(cache: "SemanticStateCache", req: "Req", restored: Optional["CheckpointId"]) -> None:
+    """Plan and stage ``req``'s checkpoints. This runs in SGLang's scheduler, where an
+    exception stops the server: a request our planning fails on is served without
+    in-prefill checkpoints instead, and the failure logged."""
+    try:
+        hints = RequestHints.of(req.sampling_params.custom_params, len(req.origin_input_ids))
+        cache.plan_checkpoints(req, restored=restored, hint=hints.hint, session=hints.session)
+    except Exception:
+        logger.exception(
+            "semantic state cache: planning the checkpoints of request %s failed; it is "
+            "served without in-prefill checkpoints",
+            req.rid,
+        )
+        cache.abandon_checkpoints(req)
 
 
 def queries_for_forward(
