@@ -19,7 +19,7 @@ ours are added beside them. The launcher
 flags have no effect.
 
 Clients ask for checkpoints per request through SGLang's ``custom_params`` sampling
-parameter (``request_hints.py``):
+parameter (``request_validation.py``):
 
     POST /generate     {"text": ..., "sampling_params": {"custom_params":
                             {"checkpoint_hints": [512, 2048]}}}
@@ -29,11 +29,12 @@ parameter (``request_hints.py``):
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import os
 import sys
 from importlib.metadata import entry_points
-from typing import TYPE_CHECKING, Mapping, Sequence
+from typing import TYPE_CHECKING, Mapping, Optional, Sequence
 
 from sglang_hybrid.compatibility import REQUIRED_MAMBA_STRATEGY, REQUIRED_PAGE_SIZE, unsupported_options
 from sglang_hybrid.config import (
@@ -43,6 +44,7 @@ from sglang_hybrid.config import (
     DEFAULT_CHECKPOINT_SLOTS,
     SemanticCacheConfig,
 )
+from sglang_hybrid.engine.tiny_model_dirs import TINY_SERVER_MODELS, tiny_model_dir
 from sglang_hybrid.plugin import BACKEND_NAME
 
 if TYPE_CHECKING:
@@ -123,6 +125,19 @@ def add_semantic_cache_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_launcher_args(parser: argparse.ArgumentParser) -> None:
+    """The launcher's own flags, which configure neither SGLang nor the cache."""
+    group = parser.add_argument_group("sglang-hybrid launcher")
+    group.add_argument(
+        "--tiny-model",
+        choices=tuple(TINY_SERVER_MODELS),
+        default=None,
+        help="Serve a tiny random-weight model of this architecture, generated offline on "
+        "first use (with a character-level chat tokenizer), instead of --model-path: a "
+        "server to try on any machine, CPU-only included. Its outputs are random text.",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     """SGLang's server parser with our flags added: what ``--help`` shows."""
     from sglang.srt.server_args import ServerArgs
@@ -134,6 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ServerArgs.add_cli_args(parser)
     add_semantic_cache_args(parser)
+    add_launcher_args(parser)
     return parser
 
 
@@ -179,17 +195,80 @@ def check_compatible(server_args: "ServerArgs") -> None:
         raise LaunchError(f"{PROG} cannot serve with {refusals[0]}")
 
 
-def select_semantic_backend(server_args: "ServerArgs") -> None:
-    """Fill in the backend and the settings it needs where the user left SGLang's default.
+# What the semantic backend needs on every host (SGLang field -> value). no_buffer keeps
+# states only where the cache puts them; it needs page size 1 and the overlap scheduler off
+# (the forward must see what the scheduler planned for it). The cache report makes OpenAI
+# responses carry restored prompt tokens as usage.prompt_tokens_details.cached_tokens.
+BACKEND_SETTINGS: tuple[tuple[str, object], ...] = (
+    ("radix_cache_backend", BACKEND_NAME),
+    ("mamba_radix_cache_strategy", REQUIRED_MAMBA_STRATEGY),
+    ("page_size", REQUIRED_PAGE_SIZE),
+    ("disable_overlap_schedule", True),
+    ("enable_cache_report", True),
+)
+# Filled in where the user left SGLang's default. On CUDA FlashInfer serves attention and the
+# Triton GDN prefill kernel writes the anchor states (patches/0002).
+CUDA_HOST_DEFAULTS: tuple[tuple[str, object], ...] = (
+    ("attention_backend", "flashinfer"),
+    ("linear_attn_prefill_backend", "triton"),
+)
+# Pool sizes on a CPU host. SGLang sizes both pools from free RAM there: hundreds of
+# thousands of live-state slots (allocating them dominates start-up) and, for the tiny
+# model, 28M tokens of KV (15 GB, which the OOM killer then takes back mid-run).
+CPU_LIVE_STATE_SLOTS = 64
+CPU_KV_TOKENS = 65536
+# Without CUDA: torch-native attention and sampling, our CPU fallbacks for the recurrent
+# kernels, no grammar backend (xgrammar needs CUDA), no CUDA graphs, and a scheduler that
+# sleeps when idle instead of busy-polling a core.
+CPU_HOST_DEFAULTS: tuple[tuple[str, object], ...] = (
+    ("device", "cpu"),
+    ("attention_backend", "torch_native"),
+    ("sampling_backend", "pytorch"),
+    ("grammar_backend", "none"),
+    ("disable_cuda_graph", True),
+    ("sleep_on_idle", True),
+    ("max_mamba_cache_size", CPU_LIVE_STATE_SLOTS),
+    ("max_total_tokens", CPU_KV_TOKENS),
+)
+# Triton kernels without a kernel of ours or a fallback run in its interpreter; it must be
+# set before any kernel is decorated, in this process and the schedulers it starts.
+CPU_HOST_ENV = {"TRITON_INTERPRET": "1"}
+
+
+def apply_launch_settings(server_args: "ServerArgs", cuda_available: bool) -> list[str]:
+    """Set what the semantic backend needs and the host's defaults where the user left
+    SGLang's; return each setting made, as the flag a user would have typed.
 
     Runs on the unresolved record, as a command-line value would arrive: SGLang's resolution
     then treats them as the operator's input.
     """
     if server_args.disable_radix_cache:
-        return
-    server_args.radix_cache_backend = BACKEND_NAME
-    server_args.mamba_radix_cache_strategy = REQUIRED_MAMBA_STRATEGY
-    server_args.page_size = REQUIRED_PAGE_SIZE
+        return []
+    applied = []
+    for name, value in BACKEND_SETTINGS:
+        if getattr(server_args, name) != value:
+            setattr(server_args, name, value)
+            applied.append(_as_flag(name, value))
+    defaults = _sglang_defaults()
+    for name, value in CUDA_HOST_DEFAULTS if cuda_available else CPU_HOST_DEFAULTS:
+        if getattr(server_args, name) == defaults[name] != value:
+            setattr(server_args, name, value)
+            applied.append(_as_flag(name, value))
+    return applied
+
+
+def _as_flag(name: str, value: object) -> str:
+    flag = "--" + name.replace("_", "-")
+    return flag if value is True else f"{flag} {value}"
+
+
+@functools.cache
+def _sglang_defaults() -> dict[str, object]:
+    from sglang.srt.server_args import ServerArgs
+
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    return {name: parser.get_default(name) for name, _ in (*CUDA_HOST_DEFAULTS, *CPU_HOST_DEFAULTS)}
 
 
 def check_plugin_loadable(environ: Mapping[str, str] = os.environ) -> None:
@@ -213,15 +292,19 @@ def check_plugin_loadable(environ: Mapping[str, str] = os.environ) -> None:
         )
 
 
-def prepare_launch(argv: Sequence[str]) -> tuple["ServerArgs", SemanticCacheConfig]:
-    """Parse and validate ``argv`` into the server record and our config; loads nothing.
+def prepare_launch(
+    argv: Sequence[str], cuda_available: Optional[bool] = None
+) -> tuple["ServerArgs", SemanticCacheConfig]:
+    """Parse and validate ``argv`` into the server record and our config; reads no weights
+    (a ``--tiny-model`` is written to its cache directory on first use).
 
     Argument syntax errors exit through argparse (status 2, usage on stderr), like SGLang's
     own launcher; configurations the cache cannot serve raise ``LaunchError``.
+    ``cuda_available`` (default: what torch finds) picks the host's defaults.
     """
     from sglang.srt.server_args import prepare_server_args
 
-    argv = list(argv)
+    argv = _with_tiny_model_path(list(argv))
     if "--config" not in argv or "-h" in argv or "--help" in argv:
         # One pass over the combined parser reports a wrong or missing flag (ours or
         # SGLang's) under our program name, and answers --help. With --config the flags
@@ -230,14 +313,45 @@ def prepare_launch(argv: Sequence[str]) -> tuple["ServerArgs", SemanticCacheConf
     config, sglang_argv = split_argv(argv)
     server_args = prepare_server_args(sglang_argv)
     check_compatible(server_args)
-    select_semantic_backend(server_args)
+    if cuda_available is None:
+        import torch
+
+        cuda_available = torch.cuda.is_available()
+    applied = apply_launch_settings(server_args, cuda_available)
+    if applied:
+        logger.info(
+            "%s: %s host, the semantic state cache runs with %s",
+            PROG,
+            "CUDA" if cuda_available else "CPU-only",
+            " ".join(applied),
+        )
     check_plugin_loadable()
     if server_args.disable_radix_cache and config != SemanticCacheConfig():
         logger.warning("--disable-radix-cache: the semantic state cache flags have no effect")
     return server_args, config
 
 
+def _with_tiny_model_path(argv: list[str]) -> list[str]:
+    """``argv`` with ``--tiny-model NAME`` replaced by the ``--model-path`` of its directory."""
+    parser = argparse.ArgumentParser(prog=PROG, add_help=False, allow_abbrev=False)
+    add_launcher_args(parser)
+    known, rest = parser.parse_known_args(argv)
+    if known.tiny_model is None:
+        return argv
+    if any(arg == "--model-path" or arg.startswith("--model-path=") for arg in rest):
+        raise LaunchError("--tiny-model serves a generated model; drop --model-path")
+    return ["--model-path", str(tiny_model_dir(known.tiny_model)), *rest]
+
+
 def launch_main(argv: Sequence[str]) -> int:
+    import torch
+
+    cuda_available = torch.cuda.is_available()
+    if not cuda_available:
+        # Before any SGLang module decorates a Triton kernel (load_plugins imports some).
+        for name, value in CPU_HOST_ENV.items():
+            os.environ.setdefault(name, value)
+
     from sglang.launch_server import run_server
     from sglang.srt.plugins import load_plugins
     from sglang.srt.utils import kill_process_tree
@@ -246,7 +360,7 @@ def launch_main(argv: Sequence[str]) -> int:
     # hooks they install on argument handling apply here too.
     load_plugins()
     try:
-        server_args, config = prepare_launch(argv)
+        server_args, config = prepare_launch(argv, cuda_available)
     except LaunchError as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 2

@@ -164,6 +164,14 @@ class CheckpointMetricsCollector(CheckpointObserver, _StatLoggerDIMixin):
             "live_state_slots_capacity",
             "Live recurrent-state slots in SGLang's request pool (--max-mamba-cache-size).",
         )
+        # SGLang's sglang:cache_hit_rate is the hit rate of the last prefill batch it logged
+        # and holds that value until the next one; this one covers every request so far.
+        self.token_hit_rate = gauge(
+            "token_hit_rate",
+            "Fraction of all admitted prompt tokens whose prefill a checkpoint restore "
+            "skipped, since the server started (tokens_restored / (tokens_restored + "
+            "tokens_recomputed)); updated at every admission.",
+        )
         self._reported = {stat: 0 for stat in COUNTERS}
         # Create each labelled series now, so a rank exports its zeros from the first
         # scrape: rate() and absent() then see the series before its first event.
@@ -173,6 +181,7 @@ class CheckpointMetricsCollector(CheckpointObserver, _StatLoggerDIMixin):
             self.slots_capacity,
             self.live_slots_in_use,
             self.live_slots_capacity,
+            self.token_hit_rate,
         ):
             metric.labels(**self.labels)
 
@@ -205,6 +214,9 @@ class CheckpointMetricsCollector(CheckpointObserver, _StatLoggerDIMixin):
             if increment > 0:
                 counter.labels(**self.labels).inc(increment)
             self._reported[stat] = value
+        admitted = stats.tokens_restored + stats.tokens_recomputed
+        if admitted:
+            self.token_hit_rate.labels(**self.labels).set(stats.tokens_restored / admitted)
         self.slots_in_use.labels(**self.labels).set(pool.used_size())
         self.slots_capacity.labels(**self.labels).set(pool.num_slots)
         if self.live_allocator is not None:

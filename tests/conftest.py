@@ -6,9 +6,62 @@ test module is imported: on a host without CUDA every Triton kernel (ours and SG
 under the interpreter, in whatever order the modules are collected.
 """
 
+import json
 import os
+import re
 
+import pytest
 import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture(scope="session")
+def documented_cpu_server(tmp_path_factory):
+    """The server docs/serving.md's section for a machine without a GPU starts, by its own
+    command, shared by every test that needs a text-serving server with the semantic cache."""
+    from tiny_server import SGLangServer, documented_cpu_commands
+
+    launch = documented_cpu_commands()[0]
+    # A fresh cache directory: the tiny model is generated as on a newcomer's first run.
+    env = {"XDG_CACHE_HOME": str(tmp_path_factory.mktemp("xdg_cache"))}
+    server = SGLangServer.from_shell_command(
+        launch,
+        "http://localhost:" + re.search(r"--port (\d+)", launch).group(1),
+        env=env,
+        log_path=tmp_path_factory.mktemp("documented_cpu_server") / "server.log",
+    )
+    try:
+        server.wait_ready()
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def tiny_server_pair(tmp_path_factory):
+    """(semantic, no-cache) ``sglang.launch_server`` processes serving the same tiny random
+    Qwen3-Next from token ids, started together, killed with their process groups; shared by
+    the server tests, which compare the two."""
+    from tiny_server import PAIR_CHECKPOINT_SLOTS, SGLangServer, write_tiny_qwen3_next
+
+    model_dir = write_tiny_qwen3_next(tmp_path_factory.mktemp("tiny_qwen3_next"))
+    logs = tmp_path_factory.mktemp("server_logs")
+    # The live state pool would otherwise be sized from free memory, which dominates start-up.
+    flags = ["--max-mamba-cache-size", "16"]
+    semantic = SGLangServer(
+        model_dir,
+        ["--radix-cache-backend", "semantic", "--enable-metrics", *flags],
+        env={"SGLANG_HYBRID_CONFIG": json.dumps({"state_checkpoint_slots": PAIR_CHECKPOINT_SLOTS})},
+        log_path=logs / "semantic.log",
+    )
+    no_cache = SGLangServer(model_dir, ["--disable-radix-cache", *flags], log_path=logs / "no_cache.log")
+    try:
+        # Two servers starting at once on two shared cores: generous start-up limits.
+        semantic.wait_ready(timeout_s=600)
+        no_cache.wait_ready(timeout_s=600)
+        yield semantic, no_cache
+    finally:
+        semantic.stop()
+        no_cache.stop()

@@ -1,7 +1,9 @@
 """The agent examples in examples/, run against a real SGLang server with the semantic cache.
 
-One ``sglang.launch_server`` serves a tiny random-weight Qwen3-Next with an offline
-character-level tokenizer (``write_chat_tokenizer``), so the SGLang frontend can send text.
+The server is the one docs/serving.md starts on a machine without a GPU
+(``sglang-hybrid launch --tiny-model qwen3-next``, the ``documented_cpu_server`` fixture): a
+tiny random-weight Qwen3-Next with an offline character-level tokenizer, so the SGLang
+frontend can send text.
 Each example's ``main()`` runs a few calls of its scripted agent. Every call must print its
 cache line, and must have been served from at least the deepest end-of-call checkpoint its
 prompt extends: the state the server keeps when a call finishes covers that call's prompt
@@ -12,20 +14,13 @@ and calls whose edit leaves no such checkpoint.
 
 import contextlib
 import io
-import json
 import sys
 from pathlib import Path
 
 import pytest
 
-from tiny_server import (
-    CPU_CHAT_LAUNCH_FLAGS,
-    QWEN3_TEMPLATE,
-    SERVER_ON_CPU_HOST,
-    SGLangServer,
-    write_chat_tokenizer,
-    write_tiny_qwen3_next,
-)
+from sglang_hybrid.replay.shared_data import QWEN3_TEMPLATE
+from tiny_server import SERVER_ON_CPU_HOST
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
@@ -55,22 +50,8 @@ RUNS = {
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    model_dir = tmp_path_factory.mktemp("tiny_qwen3_next_chat")
-    write_tiny_qwen3_next(model_dir)
-    write_chat_tokenizer(model_dir)
-    semantic = SGLangServer(
-        model_dir,
-        ["--radix-cache-backend", "semantic", "--max-mamba-cache-size", "16"],
-        env={"SGLANG_HYBRID_CONFIG": json.dumps({"state_checkpoint_slots": 32})},
-        log_path=tmp_path_factory.mktemp("server_logs") / "semantic.log",
-        launch_flags=CPU_CHAT_LAUNCH_FLAGS,
-    )
-    try:
-        semantic.wait_ready()
-        yield semantic
-    finally:
-        semantic.stop()
+def server(documented_cpu_server):
+    return documented_cpu_server
 
 
 @pytest.fixture(scope="module")

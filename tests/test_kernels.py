@@ -15,7 +15,6 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from sglang_hybrid.kernels import (  # noqa: E402
-    GDN_CHUNK_SIZE,
     CaptureIndex,
     conv_capture_states,
     copy_states,

@@ -7,7 +7,9 @@ does before it hands the record to SGLang's ``run_server``) or on ``launch_main`
 
 from __future__ import annotations
 
+import json
 import os
+from pathlib import Path
 
 import pytest
 
@@ -16,6 +18,8 @@ import sglang.srt.plugins
 from sglang_hybrid import cli
 from sglang_hybrid.config import CONFIG_ENV_VAR, SemanticCacheConfig
 from sglang_hybrid.launch import (
+    CPU_KV_TOKENS,
+    CPU_LIVE_STATE_SLOTS,
     LaunchError,
     build_parser,
     check_plugin_loadable,
@@ -79,6 +83,60 @@ def test_defaults_select_the_semantic_backend_and_its_settings():
     assert config == SemanticCacheConfig()
     assert config.checkpoint_planner == "adaptive"
     assert config.checkpoint_eviction == "expected-saving"
+
+
+def test_the_backend_runs_with_the_overlap_scheduler_off_and_the_cache_report_on(capsys):
+    # SGLang asserts "no_buffer do not support overlap schedule" when it resolves the record.
+    for cuda_available in (True, False):
+        server_args, _ = prepare_launch(MODEL, cuda_available=cuda_available)
+        assert server_args.disable_overlap_schedule is True
+        assert server_args.enable_cache_report is True  # OpenAI usage.prompt_tokens_details
+    logged = capsys.readouterr().err  # SGLang's argument parsing configures the logging
+    assert "--disable-overlap-schedule" in logged and "--enable-cache-report" in logged
+
+
+def test_a_cuda_host_gets_flashinfer_and_the_triton_gdn_prefill_unless_chosen(capsys):
+    server_args, _ = prepare_launch(MODEL, cuda_available=True)
+    assert server_args.attention_backend == "flashinfer"
+    assert server_args.linear_attn_prefill_backend == "triton"
+    assert server_args.device is None  # SGLang picks the GPU
+    logged = capsys.readouterr().err
+    assert "CUDA host" in logged and "--attention-backend flashinfer" in logged
+    chosen = MODEL + ["--attention-backend", "fa3", "--linear-attn-prefill-backend", "flashinfer"]
+    server_args, _ = prepare_launch(chosen, cuda_available=True)
+    assert (server_args.attention_backend, server_args.linear_attn_prefill_backend) == ("fa3", "flashinfer")
+
+
+def test_a_host_without_cuda_gets_the_cpu_settings_unless_chosen():
+    server_args, _ = prepare_launch(MODEL, cuda_available=False)
+    assert server_args.device == "cpu"
+    assert server_args.attention_backend == "torch_native"
+    assert server_args.sampling_backend == "pytorch"
+    assert server_args.grammar_backend == "none"
+    assert server_args.disable_cuda_graph and server_args.sleep_on_idle
+    assert server_args.max_mamba_cache_size == CPU_LIVE_STATE_SLOTS
+    assert server_args.max_total_tokens == CPU_KV_TOKENS
+    server_args, _ = prepare_launch(MODEL + ["--max-mamba-cache-size", "8"], cuda_available=False)
+    assert server_args.max_mamba_cache_size == 8
+
+
+def test_the_uncached_baseline_gets_no_settings_of_ours():
+    server_args, _ = prepare_launch(MODEL + ["--disable-radix-cache"], cuda_available=True)
+    assert server_args.disable_overlap_schedule is False and server_args.attention_backend is None
+
+
+def test_tiny_model_stands_in_for_the_model_path(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    server_args, _ = prepare_launch(["--tiny-model", "qwen3-next"], cuda_available=False)
+    model_dir = Path(server_args.model_path)
+    assert model_dir.parent == tmp_path / "sglang-hybrid" / "tiny-models"
+    config = json.loads((model_dir / "config.json").read_text())
+    assert config["model_type"] == "qwen3_next" and (model_dir / "tokenizer.json").exists()
+    written = (model_dir / "model.safetensors").stat().st_mtime_ns
+    prepare_launch(["--tiny-model", "qwen3-next"], cuda_available=False)
+    assert (model_dir / "model.safetensors").stat().st_mtime_ns == written  # built once
+    with pytest.raises(LaunchError, match="drop --model-path"):
+        prepare_launch(["--tiny-model", "qwen3-next", *MODEL])
 
 
 def test_explicit_compatible_settings_are_accepted():

@@ -71,6 +71,8 @@ def test_observe_publishes_the_cache_counters_and_pool_occupancy():
         assert sample(registry, f"sglang:semantic_{name}_total") == getattr(cache.stats, stat), stat
     assert sample(registry, "sglang:semantic_checkpoint_slots_in_use") == cache.checkpoint_pool.used_size()
     assert sample(registry, "sglang:semantic_checkpoint_slots_capacity") == SLOTS
+    admitted = cache.stats.tokens_restored + cache.stats.tokens_recomputed
+    assert sample(registry, "sglang:semantic_token_hit_rate") == cache.stats.tokens_restored / admitted
 
 
 def test_repeated_observe_counts_each_event_once():
@@ -83,10 +85,15 @@ def test_repeated_observe_counts_each_event_once():
     restored_before = cache.stats.restored
     assert sample(registry, "sglang:semantic_checkpoints_restored_total") == restored_before
 
+    hit_rate_before = sample(registry, "sglang:semantic_token_hit_rate")
     serve(driver, LAST_TURN + [3, 4])  # one more restore
     collector.observe(cache.stats, cache.checkpoint_pool)
     assert cache.stats.restored == restored_before + 1
     assert sample(registry, "sglang:semantic_checkpoints_restored_total") == restored_before + 1
+    # The gauge moves with this request, not with a batch logged some time ago.
+    admitted = cache.stats.tokens_restored + cache.stats.tokens_recomputed
+    assert sample(registry, "sglang:semantic_token_hit_rate") == cache.stats.tokens_restored / admitted
+    assert sample(registry, "sglang:semantic_token_hit_rate") != hit_rate_before
 
 
 def test_counters_keep_growing_when_the_stats_start_afresh():

@@ -29,12 +29,12 @@ from sglang_hybrid.replay.server_backend import compare_with_sim, server_replay
 from sglang_hybrid.replay.server_client import ServedRequest
 from sglang_hybrid.replay.sim import run_replay
 from sglang_hybrid.replay.trace import Request, Trace, write_trace
-from tiny_server import SERVER_ON_CPU_HOST, SGLangServer, write_tiny_qwen3_next
+from tiny_server import PAIR_CHECKPOINT_SLOTS, SERVER_ON_CPU_HOST
 
 # Room for every checkpoint the tests' runs take, so neither the server nor the simulator
 # evicts: the server's pool also holds its warm-up's and earlier tests' checkpoints, which
 # the simulator never sees.
-CHECKPOINT_SLOTS = 64
+CHECKPOINT_SLOTS = PAIR_CHECKPOINT_SLOTS
 NEW_TOKENS = 4
 # The aborted request asks for this many tokens and is aborted after ABORT_AFTER of them,
 # well before it could finish.
@@ -166,27 +166,8 @@ server_test, needs_cpu_host = SERVER_ON_CPU_HOST
 
 
 @pytest.fixture(scope="module")
-def servers(tmp_path_factory):
-    """(semantic, no-cache) servers, started together and killed with their process groups."""
-    model_dir = write_tiny_qwen3_next(tmp_path_factory.mktemp("tiny_qwen3_next"))
-    logs = tmp_path_factory.mktemp("server_logs")
-    # The live state pool would otherwise be sized from free memory, which dominates start-up.
-    flags = ["--max-mamba-cache-size", "16"]
-    semantic = SGLangServer(
-        model_dir,
-        ["--radix-cache-backend", "semantic", "--enable-metrics", *flags],
-        env={"SGLANG_HYBRID_CONFIG": json.dumps({"state_checkpoint_slots": CHECKPOINT_SLOTS})},
-        log_path=logs / "semantic.log",
-    )
-    no_cache = SGLangServer(model_dir, ["--disable-radix-cache", *flags], log_path=logs / "no_cache.log")
-    try:
-        # Two servers starting at once on two shared cores: generous start-up limits.
-        semantic.wait_ready(timeout_s=600)
-        no_cache.wait_ready(timeout_s=600)
-        yield semantic, no_cache
-    finally:
-        semantic.stop()
-        no_cache.stop()
+def servers(tiny_server_pair):
+    return tiny_server_pair
 
 
 def _tokens(rng: random.Random, n: int) -> list[int]:

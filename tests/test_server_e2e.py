@@ -13,7 +13,6 @@ log for those leak reports. Neither pool's occupancy is exposed over HTTP
 (``/get_server_info`` and ``/v1/loads`` report token usage only).
 """
 
-import json
 import random
 import threading
 import time
@@ -21,42 +20,16 @@ import time
 import pytest
 import requests
 
-from tiny_server import SERVER_ON_CPU_HOST, SGLangServer, write_tiny_qwen3_next
+from tiny_server import SERVER_ON_CPU_HOST
 
 pytestmark = list(SERVER_ON_CPU_HOST)
 
 NEW_TOKENS_PER_TURN = 4
-CHECKPOINT_SLOTS = 16
-# The live state pool would otherwise be sized from free memory (about 190k slots here),
-# and allocating it dominates start-up.
-COMMON_FLAGS = ["--max-mamba-cache-size", "16"]
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return write_tiny_qwen3_next(tmp_path_factory.mktemp("tiny_qwen3_next"))
-
-
-@pytest.fixture(scope="module")
-def servers(model_dir, tmp_path_factory):
-    """(semantic, no-cache) servers, started together and killed with their process groups."""
-    logs = tmp_path_factory.mktemp("server_logs")
-    semantic = SGLangServer(
-        model_dir,
-        ["--radix-cache-backend", "semantic", *COMMON_FLAGS],
-        env={"SGLANG_HYBRID_CONFIG": json.dumps({"state_checkpoint_slots": CHECKPOINT_SLOTS})},
-        log_path=logs / "semantic.log",
-    )
-    no_cache = SGLangServer(
-        model_dir, ["--disable-radix-cache", *COMMON_FLAGS], log_path=logs / "no_cache.log"
-    )
-    try:
-        semantic.wait_ready()
-        no_cache.wait_ready()
-        yield semantic, no_cache
-    finally:
-        semantic.stop()
-        no_cache.stop()
+def servers(tiny_server_pair):
+    return tiny_server_pair
 
 
 def _tokens(rng, n):

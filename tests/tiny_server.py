@@ -9,7 +9,6 @@ every SGLang process through our plugin, not from here.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import socket
@@ -23,7 +22,8 @@ import pytest
 import requests
 import torch
 
-from sglang_hybrid.replay.shared_data import QWEN3_TEMPLATE
+from sglang_hybrid.engine.tiny_model_dirs import write_tiny_qwen3_next
+from sglang_hybrid.replay.shared_data import REPO_ROOT
 
 # The marks of a test that starts these servers: slow, and only on a host without CUDA,
 # whose code paths (TRITON_INTERPRET, the torch fallbacks) it exercises.
@@ -35,128 +35,14 @@ SERVER_ON_CPU_HOST = (
     ),
 )
 
-TINY_VOCAB_SIZE = 512
-EOS_TOKEN_ID = TINY_VOCAB_SIZE - 1
-# SGLang's Qwen3-Next config derives its layer kinds from this field; transformers 5.x
-# writes only ``layer_types``, so it has to be added (and must agree with layer_types).
-FULL_ATTENTION_INTERVAL = 2
-ROPE_THETA = 10000.0
+__all__ = ["write_tiny_qwen3_next"]
+
+
+# Checkpoint slots of the semantic server of the ``tiny_server_pair`` fixture (conftest.py).
+PAIR_CHECKPOINT_SLOTS = 64
 
 # Start-up on two cores takes ~35 s (most of it allocating the KV and state pools).
 STARTUP_TIMEOUT_S = 240.0
-
-# Stands in for the Qwen3 chat template (QWEN3_TEMPLATE, in the shared data checkout, never
-# copied into this repository) where that checkout is absent.
-CHATML_TEMPLATE = (
-    "{%- for message in messages %}"
-    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
-)
-# Qwen3's added tokens that chat prompts use. As in Qwen3, these two and <|im_end|> are
-# special (left out of decoded text); the tags decode as text.
-CHAT_SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>")
-CHAT_TAG_TOKENS = (
-    "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>",
-)  # fmt: skip
-# Qwen3's end of turn, at the model's EOS id so that SGLang stops on it.
-END_OF_TURN_TOKEN = "<|im_end|>"
-UNKNOWN_TOKEN = "<unk>"
-
-
-def write_tiny_qwen3_next(model_dir: Path, seed: int = 0) -> Path:
-    """Save a 4-layer (GDN, attention, GDN, attention) MoE Qwen3-Next with random weights."""
-    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
-
-    num_layers = 4
-    config = Qwen3NextConfig(
-        vocab_size=TINY_VOCAB_SIZE,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=num_layers,
-        layer_types=[
-            "full_attention" if (i + 1) % FULL_ATTENTION_INTERVAL == 0 else "linear_attention"
-            for i in range(num_layers)
-        ],
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,
-        linear_key_head_dim=32,
-        linear_value_head_dim=32,
-        linear_conv_kernel_dim=4,
-        num_experts=4,
-        num_experts_per_tok=2,
-        moe_intermediate_size=64,
-        shared_expert_intermediate_size=64,
-        max_position_embeddings=2048,
-        eos_token_id=EOS_TOKEN_ID,
-        tie_word_embeddings=False,
-    )
-    torch.manual_seed(seed)
-    model = Qwen3NextForCausalLM(config).to(torch.bfloat16)
-    model.save_pretrained(model_dir, safe_serialization=True)
-
-    config_path = model_dir / "config.json"
-    saved = json.loads(config_path.read_text())
-    saved["full_attention_interval"] = FULL_ATTENTION_INTERVAL
-    saved["rope_theta"] = ROPE_THETA
-    saved["eos_token_id"] = EOS_TOKEN_ID
-    config_path.write_text(json.dumps(saved, indent=2))
-    return model_dir
-
-
-def _character_vocabulary(size: int) -> list[str]:
-    """Tab, newline, printable ASCII, then Latin-1 letters and onwards: ``size`` characters."""
-    characters = ["\t", "\n", *map(chr, range(0x20, 0x7F))]
-    codepoint = 0xA1  # past the C1 controls, which str.splitlines() would treat as breaks
-    while len(characters) < size:
-        characters.append(chr(codepoint))
-        codepoint += 1
-    return characters
-
-
-def write_chat_tokenizer(model_dir: Path, template_path: Path = QWEN3_TEMPLATE) -> Path:
-    """Save an offline character-level tokenizer with Qwen3's chat tokens into ``model_dir``.
-
-    Every one of the ``TINY_VOCAB_SIZE`` ids decodes to text that encodes back to that id
-    alone (one character per id, no merges), so whatever a random-weight model generates
-    survives the text round trip an agent makes when it re-sends its history: the prompt it
-    sends next begins with exactly the tokens the server generated, as with a real model.
-    The unknown token, ``<|endoftext|>`` and ``<|im_start|>`` are the exceptions (special,
-    dropped from decoded text); ``<|im_end|>`` ends generation. The chat template is Qwen3's
-    (``template_path``) or, when that file is absent, plain ChatML.
-    """
-    from tokenizers import AddedToken, Tokenizer, decoders, models
-    from transformers import PreTrainedTokenizerFast
-
-    added = [UNKNOWN_TOKEN, *CHAT_SPECIAL_TOKENS, *CHAT_TAG_TOKENS, END_OF_TURN_TOKEN]
-    characters = _character_vocabulary(TINY_VOCAB_SIZE - len(added))
-    vocab = {token: index for index, token in enumerate([*characters, *added])}
-    assert vocab[END_OF_TURN_TOKEN] == EOS_TOKEN_ID
-
-    backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=UNKNOWN_TOKEN))
-    backend.decoder = decoders.Fuse()
-    backend.add_special_tokens(
-        [AddedToken(t, special=True, normalized=False) for t in (UNKNOWN_TOKEN, *CHAT_SPECIAL_TOKENS)]
-    )
-    backend.add_tokens([AddedToken(t, special=False, normalized=False) for t in CHAT_TAG_TOKENS])
-    backend.add_special_tokens([AddedToken(END_OF_TURN_TOKEN, special=True, normalized=False)])
-
-    template_path = Path(template_path)
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=backend,
-        unk_token=UNKNOWN_TOKEN,
-        eos_token=END_OF_TURN_TOKEN,
-        pad_token="<|endoftext|>",
-        # Decoding must not rewrite text (" ." -> "."), or the round trip breaks.
-        clean_up_tokenization_spaces=False,
-        chat_template=template_path.read_text() if template_path.exists() else CHATML_TEMPLATE,
-    )
-    assert len(tokenizer) == TINY_VOCAB_SIZE
-    tokenizer.save_pretrained(model_dir)
-    return model_dir
 
 
 def free_local_port() -> int:
@@ -183,8 +69,6 @@ CPU_LAUNCH_FLAGS = [
     # whichever server is working.
     "--sleep-on-idle",
 ]  # fmt: skip
-# For servers that take text: the model directory then needs ``write_chat_tokenizer``.
-CPU_CHAT_LAUNCH_FLAGS = [flag for flag in CPU_LAUNCH_FLAGS if flag != "--skip-tokenizer-init"]
 
 
 class SGLangServer:
@@ -198,24 +82,36 @@ class SGLangServer:
         log_path: Optional[Path] = None,
         launch_flags: Sequence[str] = CPU_LAUNCH_FLAGS,
     ):
-        self.port = free_local_port()
-        self.base_url = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_path
+        port = free_local_port()
         command = [
             sys.executable, "-m", "sglang.launch_server",
             "--model-path", str(model_dir),
             "--host", "127.0.0.1",
-            "--port", str(self.port),
+            "--port", str(port),
             *launch_flags,
             *extra_args,
         ]  # fmt: skip
         # The interpreter runs the Triton kernels that have no torch fallback (there is
         # no Triton driver without a GPU).
-        full_env = {**os.environ, "TRITON_INTERPRET": "1", **(env or {})}
+        self._start(command, f"http://127.0.0.1:{port}", {"TRITON_INTERPRET": "1", **(env or {})}, log_path)
+
+    @classmethod
+    def from_shell_command(
+        cls, command: str, base_url: str, env: Optional[dict[str, str]] = None, log_path: Optional[Path] = None
+    ) -> "SGLangServer":
+        """A server started by ``command`` exactly as a user types it (``sglang-hybrid launch ...``)."""
+        server = cls.__new__(cls)
+        server._start(command, base_url, env or {}, log_path, shell=True)
+        return server
+
+    def _start(self, command, base_url: str, env: dict[str, str], log_path: Optional[Path], shell=False) -> None:
+        self.base_url = base_url
+        self.log_path = log_path
         self._log = open(log_path, "wb") if log_path else subprocess.DEVNULL
         self.process = subprocess.Popen(
             command,
-            env=full_env,
+            shell=shell,
+            env={**os.environ, **env},
             stdout=self._log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
@@ -281,3 +177,15 @@ class SGLangServer:
             pass
         if self._log is not subprocess.DEVNULL:
             self._log.close()
+
+
+DOCUMENTED_CPU_SECTION = "## On a machine without a GPU"
+
+
+def documented_cpu_commands() -> list[str]:
+    """The indented command lines of docs/serving.md's section for a machine without a GPU:
+    the launch, then the queries."""
+    text = (REPO_ROOT / "docs" / "serving.md").read_text()
+    section = text[text.index(DOCUMENTED_CPU_SECTION) + len(DOCUMENTED_CPU_SECTION) :]
+    section = section[: section.index("\n## ")]
+    return [line[4:] for line in section.splitlines() if line.startswith("    ") and line.strip()]
