@@ -102,7 +102,8 @@ def plot(latencies: dict[str, list[float]], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(5, 3.5))
-    ax.boxplot([[1000 * v for v in values] for values in latencies.values()], labels=list(latencies))
+    ax.boxplot([[1000 * v for v in values] for values in latencies.values()])
+    ax.set_xticks(range(1, len(latencies) + 1), list(latencies))
     ax.set_ylabel("end-to-end latency (ms)")
     ax.set_title(f"{PROMPT_TOKENS}-token prompt, 1 new token, CPU server")
     fig.tight_layout()

@@ -25,6 +25,9 @@ from tiny_server import SERVER_ON_CPU_HOST
 pytestmark = list(SERVER_ON_CPU_HOST)
 
 NEW_TOKENS_PER_TURN = 4
+# Seeds of this module's prompts, apart from those of the other tests on the shared
+# servers (test_replay_server.py uses 1 and 2), whose checkpoints the tree still holds.
+SEEDS = (1000, 1001)
 
 
 @pytest.fixture(scope="module")
@@ -92,7 +95,7 @@ def _abort_mid_decode(server, input_ids):
 
 def test_edited_session_matches_no_cache_and_reuses_checkpoints(servers):
     semantic, no_cache = servers
-    rng = random.Random(0)
+    rng = random.Random(SEEDS[0])
 
     turn1 = _tokens(rng, 40)
     out1, cached1, _ = _ask_both(semantic, no_cache, turn1)
@@ -138,7 +141,7 @@ def test_one_prefill_captures_every_anchor_across_chunks(servers):
     restores exactly that anchor's state, captured inside the prefill forward that crossed it
     (600 in the second chunk), and answers exactly as a server without cache."""
     semantic, no_cache = servers
-    rng = random.Random(1)
+    rng = random.Random(SEEDS[1])
     prompt = _tokens(rng, 700)
     _, cached, _ = _ask_both(semantic, no_cache, prompt, checkpoint_hints=[40, 100, 600])
     assert cached == 0
