@@ -9,7 +9,10 @@ which break in three ways (each patch below names the SGLang code it works aroun
 * Triton, which has no driver here and runs only under ``TRITON_INTERPRET=1``, where the
   autotuner still benchmarks on the (missing) driver;
 * kernels whose interpreted numbers are wrong: the fla chunked gated-delta rule and the
-  Triton causal conv1d give non-finite output from finite input.
+  Triton causal conv1d give non-finite output from finite input;
+* and one kernel the interpreter runs one program per token and head:
+  ``fused_qkvzba_split_reshape_cat`` (Qwen3-Next's input projection split), which took all
+  of a CPU server's prefill time.
 
 ``install_cpu_fallbacks()`` patches each of these after import, in the process that calls
 it; our SGLang plugin calls it in every SGLang process. Each patch is small, idempotent and
@@ -50,6 +53,7 @@ def install_cpu_fallbacks() -> bool:
     _autotune_first_config_when_interpreted()
     _torch_native_gdn_kernels()
     _torch_native_causal_conv1d()
+    _torch_native_qkvzba_split()
     _installed = True
     logger.info("sglang_hybrid: CPU fallbacks installed (no CUDA device on this host)")
     return True
@@ -369,3 +373,41 @@ def _torch_native_causal_conv1d() -> None:
 
     gdn_backend.causal_conv1d_fn = causal_conv1d_fn
     gdn_backend.causal_conv1d_update = causal_conv1d_update
+
+
+# --------------------------------------------------------------------------------------
+# Qwen3-Next's split of the fused input projections
+
+
+def qkvzba_split_reshape_cat(
+    mixed_qkvz: torch.Tensor,
+    mixed_ba: torch.Tensor,
+    num_heads_qk: int,
+    num_heads_v: int,
+    head_qk: int,
+    head_v: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Drop-in for SGLang's ``fused_qkvzba_split_reshape_cat`` (triton_gdn_fused_proj.py).
+
+    The projections arrive interleaved per key-head group, ``[g0_q, g0_k, g0_v, g0_z, g1_q,
+    ...]`` and ``[g0_b, g0_a, g1_b, ...]``; returns ``mixed_qkv`` (all q, all k, all v per
+    token), ``z`` [T, HV, V], ``b`` and ``a`` [T, HV]. Pure data movement: bit-exact.
+    """
+    tokens = mixed_qkvz.shape[0]
+    v_per_group = num_heads_v // num_heads_qk * head_v
+    groups = mixed_qkvz.view(tokens, num_heads_qk, 2 * head_qk + 2 * v_per_group)
+    q, k, v, z = groups.split([head_qk, head_qk, v_per_group, v_per_group], dim=-1)
+    mixed_qkv = torch.cat([q.reshape(tokens, -1), k.reshape(tokens, -1), v.reshape(tokens, -1)], dim=-1)
+    b, a = mixed_ba.view(tokens, num_heads_qk, -1).chunk(2, dim=-1)
+    return (
+        mixed_qkv,
+        z.reshape(tokens, num_heads_v, head_v).contiguous(),
+        b.reshape(tokens, num_heads_v).contiguous(),
+        a.reshape(tokens, num_heads_v).contiguous(),
+    )
+
+
+def _torch_native_qkvzba_split() -> None:
+    from sglang.srt.models import qwen3_next
+
+    qwen3_next.fused_qkvzba_split_reshape_cat = qkvzba_split_reshape_cat

@@ -28,6 +28,7 @@ from sglang_hybrid.cpu_fallbacks import (  # noqa: E402
     gdn_decode,
     gdn_extend,
     install_cpu_fallbacks,
+    qkvzba_split_reshape_cat,
 )
 
 NUM_K_HEADS, NUM_V_HEADS, HEAD_DIM = 2, 4, 32
@@ -240,6 +241,24 @@ def test_install_patches_sglang_kernels_on_a_host_without_cuda():
     assert TritonGDNKernel.supports_packed_decode is False
     assert TritonGDNKernel().extend is gdn_extend
     assert TritonGDNKernel().decode is gdn_decode
+    from sglang.srt.models import qwen3_next
+
+    assert qwen3_next.fused_qkvzba_split_reshape_cat is qkvzba_split_reshape_cat
     assert rotary_base._is_cpu is True
     assert torch.get_device_module() is torch.cpu
     assert torch.get_device_module("cpu") is torch.cpu
+
+
+@pytest.mark.parametrize("num_heads_qk, num_heads_v, head_qk, head_v", [(2, 4, 32, 32), (2, 2, 16, 8), (4, 16, 16, 16)])
+def test_qkvzba_split_equals_sglangs_kernel_bit_for_bit(num_heads_qk, num_heads_v, head_qk, head_v):
+    from sglang.kernels.ops.attention.triton_gdn_fused_proj import fused_qkvzba_split_reshape_cat
+
+    gen = torch.Generator().manual_seed(5)
+    tokens = 7
+    qkvz_width = num_heads_qk * (2 * head_qk + 2 * num_heads_v // num_heads_qk * head_v)
+    mixed_qkvz = torch.randn(tokens, qkvz_width, generator=gen).bfloat16()
+    mixed_ba = torch.randn(tokens, 2 * num_heads_v, generator=gen).bfloat16()
+    args = (num_heads_qk, num_heads_v, head_qk, head_v)
+    expected = fused_qkvzba_split_reshape_cat(mixed_qkvz, mixed_ba, *args)  # interpreted Triton
+    for ours, theirs in zip(qkvzba_split_reshape_cat(mixed_qkvz, mixed_ba, *args), expected):
+        assert ours.shape == theirs.shape and torch.equal(ours, theirs)
