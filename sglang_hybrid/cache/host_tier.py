@@ -11,7 +11,9 @@ contiguous staging copy on the device (``copy_states``, at device bandwidth) and
 a promotion receives into staging and scatters it into the slot. On a GPU the host rows are
 pinned and both run on a side stream: a demotion is queued after the work that produced the
 state and the scheduler never waits on it; its device slot is handed back only once the copy
-has finished (``reclaim_finished``), so it cannot be overwritten mid-copy. A promotion
+has finished (``finished_demotions``, ``reclaim``), so it cannot be overwritten mid-copy.
+When a copy finishes differs between tensor-parallel ranks, so the cache agrees with the
+other ranks on how many to reclaim before it calls ``reclaim``. A promotion
 orders the forward stream after its own copy before the restore reads it. On CPU (tests,
 the reference engine) the copies are immediate, without staging.
 """
@@ -104,14 +106,32 @@ class HostCheckpointTier:
                             _slot(0, pool.device), _slot(dst_slot, pool.device))
         forward_stream.wait_stream(self.stream)  # before the restore reads it
 
-    def reclaim_finished(self) -> None:
-        """Give back the device slots of demotions whose copy has completed."""
-        while self._pending_device_frees and self._pending_device_frees[0][0].query():
-            _, slot = self._pending_device_frees.popleft()
+    def finished_demotions(self) -> int:
+        """How many demotions, oldest first, have finished their copy on this rank."""
+        finished = 0
+        for done, _ in self._pending_device_frees:
+            if not done.query():
+                break
+            finished += 1
+        return finished
+
+    def reclaim(self, count: int) -> None:
+        """Give back the device slots of the ``count`` oldest demotions.
+
+        ``count`` is what every tensor-parallel rank agreed on (the least of their
+        ``finished_demotions``), so a copy counted is finished here too; waiting on its
+        event only orders this host thread after it.
+        """
+        if not 0 <= count <= len(self._pending_device_frees):
+            raise ValueError(f"cannot reclaim {count} of {len(self._pending_device_frees)} pending demotions")
+        for _ in range(count):
+            done, slot = self._pending_device_frees.popleft()
+            done.synchronize()
             self.device_pool.free(slot)
 
-    def pending_device_slots(self) -> int:
-        return len(self._pending_device_frees)
+    def pending_device_slots(self) -> list[int]:
+        """Device slots of demotions in flight, oldest first: neither free nor in the tree."""
+        return [int(slot) for _, slot in self._pending_device_frees]
 
 
 def _slot(index: int, device="cpu") -> torch.Tensor:

@@ -27,6 +27,7 @@ What differs from the stock ``UnifiedRadixCache`` (FULL + MAMBA):
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from array import array
 from dataclasses import replace
@@ -75,6 +76,7 @@ class SemanticStateCache(UnifiedRadixCache):
         # they leave; rid -> [(depth, slot)] staged for them and not yet in the tree.
         self._planned: set[str] = set()
         self._staged: dict[str, list[tuple[int, torch.Tensor]]] = {}
+        self._logged_digest: Optional[str] = None
         super().__init__(params)
 
     def subscribe(self, observer: CheckpointObserver) -> None:
@@ -115,8 +117,7 @@ class SemanticStateCache(UnifiedRadixCache):
         None when every slot is held by a locked node or a staged capture: the caller
         then keeps no checkpoint, it never fails the request.
         """
-        if self.checkpoint_pool.host_tier is not None:
-            self.checkpoint_pool.host_tier.reclaim_finished()
+        self._reclaim_demoted_slots()
         slot = self.checkpoint_pool.alloc(1)
         if slot is None and self.checkpoint_pool.num_slots > 0:
             self.evict_checkpoints(1)
@@ -124,6 +125,22 @@ class SemanticStateCache(UnifiedRadixCache):
         if slot is None:
             self.stats.exhausted += 1
         return slot
+
+    def _reclaim_demoted_slots(self) -> None:
+        """Free the device slots of finished demotions, as many on every tensor-parallel rank.
+
+        Each rank's copies finish at their own time, so each rank counts its finished ones
+        and the group frees the least of the counts (SGLang's own rule for its async acks,
+        ``UnifiedRadixCache._drain_queue``): a rank that freed more would allocate, evict and
+        restore differently from the others. Every rank holds the same pending demotions (the
+        same decisions), so all of them skip or join the collective alike.
+        """
+        tier = self.checkpoint_pool.host_tier
+        if tier is None or not tier.pending_device_slots():
+            return
+        agreed = torch.tensor([tier.finished_demotions()], dtype=torch.int64)
+        self._all_reduce(agreed, torch.distributed.ReduceOp.MIN)
+        tier.reclaim(int(agreed.item()))
 
     def evict_checkpoints(self, num: int) -> int:
         """Drop ``num`` unlocked checkpoints in LRU order, keeping their KV."""
@@ -264,6 +281,44 @@ class SemanticStateCache(UnifiedRadixCache):
         """Read-only: the device checkpoint holding the state after exactly ``tokens``."""
         _, held = self.checkpoints_on_path(tokens)
         return held[0][1] if held and held[0][0] == len(tokens) else None
+
+    def state_digest(self) -> str:
+        """A hash of the tree's keys, each node's device and host checkpoint slot, the free
+        slots of both tiers and the device slots of demotions in flight: equal on every tensor-parallel rank while the ranks agree.
+
+        Read-only and a walk over the whole tree: for checks (``sanity_check``, tests), not
+        for the serving path.
+        """
+        host_slots = self.components[MAMBA].host_slots
+        digest = hashlib.blake2b(digest_size=8)
+        stack = [(self.tree_core.root_node, 0)]
+        while stack:
+            node, depth = stack.pop()
+            if node.parent is not None:
+                device = node.component_data[MAMBA].value
+                host = host_slots.get(node.id)
+                digest.update(repr((
+                    depth, tuple(node.key.token_ids),
+                    None if device is None else int(device), None if host is None else int(host),
+                )).encode())  # fmt: skip
+            children = sorted(node.children.values(), key=lambda child: tuple(child.key.token_ids))
+            stack.extend((child, depth + 1) for child in reversed(children))
+        # In allocation order: the order decides which slot the next checkpoint gets.
+        digest.update(repr([(int(c.tier), c.slot) for c in self.free_checkpoints()]).encode())
+        tier = self.checkpoint_pool.host_tier
+        digest.update(repr(None if tier is None else tier.pending_device_slots()).encode())
+        return digest.hexdigest()
+
+    def sanity_check(self) -> None:
+        """SGLang's idle check of the tree (``SGLANG_ENABLE_TREE_CACHE_SANITY_CHECK``), then
+        the state digest logged whenever it changed: tensor-parallel ranks that agree log the
+        same digest after the same requests."""
+        super().sanity_check()
+        digest = self.state_digest()
+        if digest != self._logged_digest:
+            self._logged_digest = digest
+            rank = 0 if self.tp_world_size == 1 else torch.distributed.get_rank(self.tp_group)
+            logger.info("semantic state digest tp_rank=%d: %s", rank, digest)
 
     # ---- into the tree, and out of the cache ----
 

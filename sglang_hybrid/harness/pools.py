@@ -118,6 +118,7 @@ def build_tree_cache(
     *,
     config: SemanticCacheConfig = SemanticCacheConfig(),
     planning: Optional[CheckpointPlanning] = None,
+    tp_group: Optional[torch.distributed.ProcessGroup] = None,
 ) -> StandaloneTreeCache:
     """Allocate the pools of ``spec`` and build the tree cache SGLang selects for ``backend``.
 
@@ -126,7 +127,8 @@ def build_tree_cache(
     they are compared on equal terms (a custom component requires it). ``config`` reaches the
     backend factory the way ``sglang-hybrid launch`` hands it to a scheduler; a test that
     needs a planning of its own passes it as ``planning`` instead of the one the factory
-    builds from ``config``.
+    builds from ``config``. ``tp_group``: the tensor-parallel group (gloo) the cache agrees
+    with, as a scheduler gives it its TP CPU group; None: a single rank.
     """
     register()
     server_args = ServerArgs(model_path="dummy", page_size=1, radix_cache_backend=backend)
@@ -166,6 +168,7 @@ def build_tree_cache(
         token_to_kv_pool_allocator=allocator,
         page_size=1,
         disable=False,
+        tp_cache_group=tp_group,
     )
     ctx = TreeCacheBuildContext(
         server_args=server_args,
@@ -176,9 +179,9 @@ def build_tree_cache(
         disable_radix_cache=False,
         tp_worker=None,
         model_config=None,
-        tp_size=1,
-        tp_rank=0,
-        tp_group=None,
+        tp_size=1 if tp_group is None else torch.distributed.get_world_size(tp_group),
+        tp_rank=0 if tp_group is None else torch.distributed.get_rank(tp_group),
+        tp_group=tp_group,
     )
     env = {**config.to_env(), "SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND": "python"}
     with mock.patch.dict(os.environ, env):
