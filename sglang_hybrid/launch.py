@@ -44,6 +44,7 @@ from sglang_hybrid.config import (
     DEFAULT_CHECKPOINT_SLOTS,
     SemanticCacheConfig,
 )
+from sglang_hybrid.cpu_parallel import cpu_parallel_env, server_ranks, usable_cpus
 from sglang_hybrid.engine.tiny_model_dirs import TINY_SERVER_MODELS, tiny_model_dir
 from sglang_hybrid.plugin import BACKEND_NAME
 
@@ -343,6 +344,17 @@ def _with_tiny_model_path(argv: list[str]) -> list[str]:
     return ["--model-path", str(tiny_model_dir(known.tiny_model)), *rest]
 
 
+def prepare_cpu_parallel(server_args: "ServerArgs", cuda_available: bool) -> None:
+    """On a host without CUDA, set what several ranks need there (``cpu_parallel.py``) and
+    say what was set."""
+    num_ranks = server_ranks(server_args)
+    added = cpu_parallel_env(num_ranks, os.environ, cuda_available=cuda_available, cpus=usable_cpus())
+    if added:
+        os.environ.update(added)
+        settings = " ".join(f"{name}={value!r}" for name, value in added.items())
+        print(f"{PROG}: {num_ranks} ranks on a host without CUDA (gloo groups): {settings}", file=sys.stderr)
+
+
 def launch_main(argv: Sequence[str]) -> int:
     import torch
 
@@ -366,6 +378,7 @@ def launch_main(argv: Sequence[str]) -> int:
         return 2
     # Scheduler processes are started after this and inherit the environment.
     os.environ.update(config.to_env())
+    prepare_cpu_parallel(server_args, cuda_available)
     try:
         run_server(server_args)
     finally:

@@ -33,6 +33,7 @@ from sglang_hybrid.cpu_fallbacks import install_cpu_fallbacks
 from sglang_hybrid.metrics import install_request_info_hook, subscribe_metrics
 from sglang_hybrid.request_validation import install_request_validation_hook
 from sglang_hybrid.runtime.hooks import install_anchor_capture_hooks
+from sglang_hybrid.session_routing import install_session_routing_hook
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +54,7 @@ def register() -> None:
         install_request_validation_hook()
         install_request_info_hook()
         install_anchor_capture_hooks()
+        install_session_routing_hook()
 
 
 def build_semantic_state_cache(ctx: TreeCacheBuildContext) -> SemanticStateCache:
