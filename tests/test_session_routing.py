@@ -63,3 +63,28 @@ def test_requests_without_a_usable_session_are_left_to_sglangs_balancing(custom_
 def test_bootstrap_room_routing_is_left_alone():
     req = _request({"checkpoint_session": "agent-7"})
     assert _dispatch(req, method=LoadBalanceMethod.FOLLOW_BOOTSTRAP_ROOM) is None
+
+
+class _Sent(Exception):
+    pass
+
+
+def test_the_replay_client_sends_its_session_as_the_routers_key(monkeypatch):
+    import numpy as np
+
+    from sglang_hybrid.replay import server_client
+    from sglang_hybrid.replay.trace import Request
+
+    sent = {}
+
+    def record(url, **kwargs):
+        sent.update(kwargs)
+        raise _Sent
+
+    monkeypatch.setattr(server_client.requests, "post", record)
+    client = server_client.ServerClient(server_client.ServerInfo("http://router", "semantic", True))
+    request = Request("agent-7", 0, 0.0, np.arange(1, 9, dtype=np.int32), np.array([1], dtype=np.int32))
+    with pytest.raises(_Sent):
+        client.serve(0, request, 0.0)
+    assert sent["headers"] == {"X-SMG-Routing-Key": "agent-7"}
+    assert sent["json"]["sampling_params"]["custom_params"]["checkpoint_session"] == "agent-7"

@@ -104,15 +104,13 @@ def test_ranks_that_see_different_copies_finish_free_the_same_slots():
 
     def rank_main(rank: int, driver: RequestLifecycle) -> None:
         try:
-            driver.cache._all_reduce = group.all_reduce_of(rank)
+            driver.cache._all_reduce = group.all_reduce_of(rank)  # SGLang's TP (and PP) all-reduce
             outcomes[rank] = _allocations_with_demotions_in_flight(driver, FINISHED[rank])
         except BaseException as exc:  # reported by the main thread
             errors.append(exc)
             group.barrier.abort()
 
     drivers = {rank: _tiered_driver() for rank in FINISHED}
-    for driver in drivers.values():
-        driver.cache.tp_world_size = 2  # the cache now joins the (stand-in) collective
     threads = [threading.Thread(target=rank_main, args=(rank, drivers[rank])) for rank in FINISHED]
     for thread in threads:
         thread.start()

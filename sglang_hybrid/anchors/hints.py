@@ -98,6 +98,16 @@ def validate_hints(hint: Any, prompt_len: int, max_count: int = MAX_HINT_POSITIO
     return ValidatedHint(HintMode.EXPLICIT, positions)
 
 
+# sglang-router's header for ``--policy manual``: requests with the same key go to the same
+# worker, so a session's turns reach the worker holding its checkpoints.
+ROUTING_KEY_HEADER = "X-SMG-Routing-Key"
+
+
+def session_routing_headers(session: Optional[str]) -> dict[str, str]:
+    """The HTTP headers a client sends so that a router keeps ``session`` on one worker."""
+    return {} if session is None else {ROUTING_KEY_HEADER: session}
+
+
 def checkpoint_params(hint: Any = None, session: Optional[str] = None) -> dict[str, Any]:
     """The ``custom_params`` a client sends to ask for ``hint`` (None: none) in ``session``."""
     params: dict[str, Any] = {}

@@ -8,7 +8,9 @@ OpenAI-compatible ``/v1/completions`` takes token-id prompts, but its response r
 model served without a tokenizer, as the tests' tiny one) SGLang 0.5.23 answers it with HTTP
 500 (``'text'``: it builds the response from detokenized text). Sampling is greedy
 (temperature 0) with ``ignore_eos``, for as many tokens as the trace's output (at least one);
-the trace's session and anchor hints travel as a client sends them (``checkpoint_params``).
+the trace's session and anchor hints travel as a client sends them (``checkpoint_params``),
+and the session also as ``X-SMG-Routing-Key``, so that ``sglang-router --policy manual``
+in front of several workers keeps it on one (``session_routing_headers``).
 
 Order: requests are sent in arrival order; a request waits for its session's previous one
 (an agent sends its next turn once it has the answer) and at most ``concurrency`` are in
@@ -34,7 +36,7 @@ from typing import Any, Mapping, Optional
 import requests
 from tqdm import tqdm
 
-from ..anchors.hints import checkpoint_params
+from ..anchors.hints import checkpoint_params, session_routing_headers
 from ..metrics import REQUEST_INFO_KEY
 from .trace import Request, Trace
 
@@ -158,6 +160,7 @@ class ServerClient:
         last: Optional[dict] = None
         abort_sent = False
         with requests.post(f"{self.info.url}/generate", json=payload, stream=True,
+                           headers=session_routing_headers(request.session),
                            timeout=(CONNECT_TIMEOUT_S, READ_TIMEOUT_S)) as response:
             if response.status_code != 200:
                 raise ServerReplayError(f"{where}: HTTP {response.status_code}: {response.text[:500]}")
