@@ -7,7 +7,13 @@ import os
 import pytest
 
 from sglang_hybrid import launch
-from sglang_hybrid.cpu_parallel import NCCL_LIBRARY_ENV, NO_NCCL_LIBRARY, THREADS_BIND_ENV, cpu_parallel_env, threads_bind
+from sglang_hybrid.cpu_parallel import (
+    NCCL_LIBRARY_ENV,
+    NO_NCCL_LIBRARY,
+    THREADS_BIND_ENV,
+    cpu_parallel_env,
+    threads_bind,
+)
 from sglang_hybrid.launch import prepare_cpu_parallel, prepare_launch
 
 MODEL = ["--model-path", "Qwen/Qwen3-Next-80B-A3B-Instruct"]

@@ -73,9 +73,8 @@ def _sessions(server, rng, sessions, *, named=True):
 
 def _generate(server, prompt, custom, extra=None):
     sampling = {"temperature": 0.0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True, **custom}
-    response = requests.post(
-        f"{server.base_url}/generate", json={"input_ids": prompt, "sampling_params": sampling, **(extra or {})}, timeout=300
-    )
+    payload = {"input_ids": prompt, "sampling_params": sampling, **(extra or {})}
+    response = requests.post(f"{server.base_url}/generate", json=payload, timeout=300)
     response.raise_for_status()
     return response.json()
 
@@ -99,5 +98,6 @@ def test_an_unnamed_session_is_balanced_round_robin_and_loses_its_cache(dp_serve
 def test_a_rank_the_request_names_wins_over_the_session(dp_server):
     session = SESSIONS[0]
     other = 1 - session_dp_rank(session, list(range(DP_SIZE)))
-    reply = _generate(dp_server, [7] * 20, {"custom_params": {"checkpoint_session": session}}, {"routed_dp_rank": other})
+    named = {"custom_params": {"checkpoint_session": session}}
+    reply = _generate(dp_server, [7] * 20, named, {"routed_dp_rank": other})
     assert reply["meta_info"]["dp_rank"] == other

@@ -49,13 +49,11 @@ def servers(tmp_path_factory):
         "SGLANG_HYBRID_CONFIG": json.dumps(CACHE_CONFIG),
         "SGLANG_ENABLE_TREE_CACHE_SANITY_CHECK": "1",
     }
+    two_ranks_env = cpu_parallel_env(TP_SIZE, os.environ, cuda_available=False, cpus=usable_cpus())
     started = []
     try:
         # One after the other: two start-ups at once on two cores take longer than both.
-        for extra, rank_env, log in (
-            (["--tp-size", str(TP_SIZE)], cpu_parallel_env(TP_SIZE, os.environ, cuda_available=False, cpus=usable_cpus()), "tp2.log"),
-            ([], {}, "tp1.log"),
-        ):
+        for extra, rank_env, log in ((["--tp-size", str(TP_SIZE)], two_ranks_env, "tp2.log"), ([], {}, "tp1.log")):
             server = SGLangServer(model_dir, [*FLAGS, *extra], env={**env, **rank_env}, log_path=logs / log)
             started.append(server)
             server.wait_ready(STARTUP_TIMEOUT_S)

@@ -284,7 +284,8 @@ class SemanticStateCache(UnifiedRadixCache):
 
     def state_digest(self) -> str:
         """A hash of the tree's keys, each node's device and host checkpoint slot, the free
-        slots of both tiers and the device slots of demotions in flight: equal on every tensor-parallel rank while the ranks agree.
+        slots of both tiers and the device slots of demotions in flight: equal on every
+        tensor-parallel rank while the ranks agree.
 
         Read-only and a walk over the whole tree: for checks (``sanity_check``, tests), not
         for the serving path.
