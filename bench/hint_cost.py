@@ -25,6 +25,7 @@ from pathlib import Path
 import requests
 
 from cpu_server import tiny_cpu_server
+from sglang_hybrid.replay.prometheus import parse_cache_metrics
 from sglang_hybrid.replay.shared_data import REPO_ROOT
 
 OUT = REPO_ROOT / "results" / "bench"
@@ -72,11 +73,7 @@ def main() -> None:
 
     medians = {label: statistics.median(values) for label, values in latencies.items()}
     ratio = medians["64 hints"] / medians["no hints"]
-    taken = sum(
-        float(line.rsplit(" ", 1)[1])
-        for line in metrics.splitlines()
-        if line.startswith("sglang:semantic_checkpoints_taken_total{")
-    )
+    taken = parse_cache_metrics(metrics)["checkpoints_taken_total"]
     for label, median in medians.items():
         print(f"{label:>9}: median {median * 1000:.0f} ms over {len(latencies[label])} requests")
     print(f"checkpoints taken over the run: {taken:.0f}")

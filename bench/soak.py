@@ -9,12 +9,11 @@ system prompt, so the tree keeps growing, branching and evicting. Every 100 requ
 resident memory of the server's processes is sampled with the cache's counters.
 
 Checks, reported (the run fails if one does not hold): 0 request errors; once idle, no live
-request-state slot held (`live_state_slots_in_use` = 0) and no staged checkpoint
-(`checkpoint_slots_in_use` equals the checkpoints attached minus those evicted, dropped with
-their KV or demoted); the slope of resident memory over the requests after warm-up
-(`--warmup`), by least squares, in MiB per 1,000 requests, beside the spread of the samples
-around that line. Writes results/bench/soak.json and soak_rss.png; the last line printed is
-`soak_rss_slope_mib_per_1k: <slope>`.
+request-state slot held and no checkpoint slot outside the tree (the server replay's own
+accounting, `replay.prometheus.metrics_summary`); the slope of resident memory over the
+requests after warm-up (`--warmup`), by least squares, in MiB per 1,000 requests, beside the
+spread of the samples around that line. Writes results/bench/soak.json and soak_rss.png;
+the last line printed is `soak_rss_slope_mib_per_1k: <slope>`.
 
     python bench/soak.py [--requests 2000] [--sessions 16]
 """
@@ -33,6 +32,7 @@ from pathlib import Path
 import requests
 
 from cpu_server import process_group_rss_mib, tiny_cpu_server
+from sglang_hybrid.replay.prometheus import metrics_summary, scrape_cache_metrics
 from sglang_hybrid.replay.shared_data import REPO_ROOT
 
 OUT = REPO_ROOT / "results" / "bench"
@@ -71,15 +71,6 @@ class Session:
             self.segments[masked] = self.segments[masked][:4]
 
 
-def metric_values(base_url: str) -> dict[str, float]:
-    values: dict[str, float] = {}
-    for line in requests.get(f"{base_url}/metrics", timeout=60).text.splitlines():
-        if line.startswith("sglang:semantic_"):
-            name = line.split("{", 1)[0].removeprefix("sglang:semantic_")
-            values[name] = values.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
-    return values
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=2000)
@@ -92,11 +83,13 @@ def main() -> None:
 
     sessions = [Session(f"agent-{i}", args.seed * 1000 + i, args.max_turns) for i in range(args.sessions)]
     lock = threading.Lock()
-    counts = {"sent": 0, "errors": 0}
+    # sent: requests handed to a session; done: answered (or failed), what samples count.
+    counts = {"sent": 0, "done": 0, "errors": 0}
     samples: list[dict] = []
     started = time.monotonic()
 
     with tiny_cpu_server(OUT / "soak_server.log", ["--enable-metrics"]) as (base_url, process):
+        before = scrape_cache_metrics(base_url)
 
         def run_session(session: Session) -> None:
             while True:
@@ -124,34 +117,30 @@ def main() -> None:
                     print(f"error in {session.name}: {exc}")
                 session.advance(reply)
                 with lock:
-                    done = counts["sent"]
+                    counts["done"] += 1
+                    done = counts["done"]
                     if done % SAMPLE_EVERY == 0:
                         samples.append({
                             "requests": done,
                             "elapsed_s": time.monotonic() - started,
                             "rss_mib": process_group_rss_mib(process),
-                            **metric_values(base_url),
+                            **scrape_cache_metrics(base_url),
                         })  # fmt: skip
                         print(f"{done:>6} requests  {samples[-1]['elapsed_s']:7.0f} s  rss {samples[-1]['rss_mib']:8.1f} MiB")
 
         with ThreadPoolExecutor(args.sessions) as pool:
             list(pool.map(run_session, sessions))
         time.sleep(2.0)  # let the last releases reach the gauges
-        idle = metric_values(base_url)
+        idle = scrape_cache_metrics(base_url)
         idle_rss = process_group_rss_mib(process)
 
     fitted = [s for s in samples if s["requests"] > args.warmup]
     slope, residual = fit_slope([s["requests"] for s in fitted], [s["rss_mib"] for s in fitted])
-    in_tree = (
-        idle["checkpoints_taken_total"]
-        - idle["checkpoints_evicted_total"]
-        - idle["checkpoints_dropped_with_kv_total"]
-        - idle["checkpoints_demoted_total"]
-    )
+    summary = metrics_summary(before, idle)
     checks = {
         "no request errors": counts["errors"] == 0,
-        "no live state slot held when idle": idle["live_state_slots_in_use"] == 0,
-        "checkpoint slots in use = checkpoints in the tree": idle["checkpoint_slots_in_use"] == in_tree,
+        "no live state slot held when idle": summary["leaked_live_slots"] == 0,
+        "checkpoint slots in use = checkpoints in the tree": summary["leaked_checkpoint_slots"] == 0,
     }
     result = {
         "requests": counts["sent"],
@@ -160,6 +149,7 @@ def main() -> None:
         "wall_s": time.monotonic() - started,
         "samples": samples,
         "idle_metrics": idle,
+        "metrics_summary": summary,
         "idle_rss_mib": idle_rss,
         "rss_slope_mib_per_1k_requests": slope,
         "rss_residual_std_mib": residual,

@@ -21,19 +21,20 @@ if not torch.cuda.is_available():
 def documented_cpu_server(tmp_path_factory):
     """The server docs/serving.md's section for a machine without a GPU starts, by its own
     command, shared by every test that needs a text-serving server with the semantic cache."""
-    from tiny_server import SGLangServer, documented_cpu_commands
+    from sglang_hybrid.harness.server_process import ServerProcess
+    from tiny_server import STARTUP_TIMEOUT_S, documented_cpu_commands
 
     launch = documented_cpu_commands()[0]
     # A fresh cache directory: the tiny model is generated as on a newcomer's first run.
     env = {"XDG_CACHE_HOME": str(tmp_path_factory.mktemp("xdg_cache"))}
-    server = SGLangServer.from_shell_command(
+    server = ServerProcess(
         launch,
         "http://localhost:" + re.search(r"--port (\d+)", launch).group(1),
         env=env,
         log_path=tmp_path_factory.mktemp("documented_cpu_server") / "server.log",
     )
     try:
-        server.wait_ready()
+        server.wait_ready(STARTUP_TIMEOUT_S)
         yield server
     finally:
         server.stop()

@@ -17,6 +17,7 @@ import subprocess
 import pytest
 import requests
 
+from sglang_hybrid.replay.prometheus import parse_cache_metrics
 from tiny_server import SERVER_ON_CPU_HOST, documented_cpu_commands
 
 pytestmark = list(SERVER_ON_CPU_HOST)
@@ -110,14 +111,8 @@ def test_openai_clients_see_restores_and_the_hit_rate_follows_every_request(quic
         cached = replies[-1]["usage"]["prompt_tokens_details"]["cached_tokens"]
         [report] = replies[-1]["choices"][0]["meta_info"]["semantic_cache"]
         assert cached == report["restored_tokens"]
-        metrics = requests.get(f"{base_url}/metrics", timeout=60).text
-        restored = _metric(metrics, "sglang:semantic_tokens_restored_total")
-        recomputed = _metric(metrics, "sglang:semantic_tokens_recomputed_total")
-        assert _metric(metrics, "sglang:semantic_token_hit_rate") == pytest.approx(restored / (restored + recomputed))
+        metrics = parse_cache_metrics(requests.get(f"{base_url}/metrics", timeout=60).text)
+        restored, recomputed = metrics["tokens_restored_total"], metrics["tokens_recomputed_total"]
+        assert metrics["token_hit_rate"] == pytest.approx(restored / (restored + recomputed))
     # The second call extends the first: at least the first prompt's end state is restored.
     assert replies[1]["usage"]["prompt_tokens_details"]["cached_tokens"] >= replies[0]["usage"]["prompt_tokens"]
-
-
-def _metric(exposition: str, name: str) -> float:
-    [value] = [float(line.rsplit(" ", 1)[1]) for line in exposition.splitlines() if line.startswith(name + "{")]
-    return value

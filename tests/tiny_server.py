@@ -9,12 +9,7 @@ every SGLang process through our plugin, not from here.
 
 from __future__ import annotations
 
-import os
-import signal
-import socket
-import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -23,6 +18,7 @@ import requests
 import torch
 
 from sglang_hybrid.engine.tiny_model_dirs import write_tiny_qwen3_next
+from sglang_hybrid.harness.server_process import ServerProcess, free_local_port
 from sglang_hybrid.replay.shared_data import REPO_ROOT
 
 # The marks of a test that starts these servers: slow, and only on a host without CUDA,
@@ -45,12 +41,6 @@ PAIR_CHECKPOINT_SLOTS = 64
 STARTUP_TIMEOUT_S = 240.0
 
 
-def free_local_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 CPU_LAUNCH_FLAGS = [
     "--device", "cpu",
     "--dtype", "bfloat16",
@@ -71,8 +61,8 @@ CPU_LAUNCH_FLAGS = [
 ]  # fmt: skip
 
 
-class SGLangServer:
-    """One ``python -m sglang.launch_server`` subprocess, in a process group of its own."""
+class SGLangServer(ServerProcess):
+    """One ``python -m sglang.launch_server`` subprocess with the CPU host's flags."""
 
     def __init__(
         self,
@@ -93,48 +83,10 @@ class SGLangServer:
         ]  # fmt: skip
         # The interpreter runs the Triton kernels that have no torch fallback (there is
         # no Triton driver without a GPU).
-        self._start(command, f"http://127.0.0.1:{port}", {"TRITON_INTERPRET": "1", **(env or {})}, log_path)
-
-    @classmethod
-    def from_shell_command(
-        cls, command: str, base_url: str, env: Optional[dict[str, str]] = None, log_path: Optional[Path] = None
-    ) -> "SGLangServer":
-        """A server started by ``command`` exactly as a user types it (``sglang-hybrid launch ...``)."""
-        server = cls.__new__(cls)
-        server._start(command, base_url, env or {}, log_path, shell=True)
-        return server
-
-    def _start(self, command, base_url: str, env: dict[str, str], log_path: Optional[Path], shell=False) -> None:
-        self.base_url = base_url
-        self.log_path = log_path
-        self._log = open(log_path, "wb") if log_path else subprocess.DEVNULL
-        self.process = subprocess.Popen(
-            command,
-            shell=shell,
-            env={**os.environ, **env},
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-        self.startup_s: Optional[float] = None
+        super().__init__(command, f"http://127.0.0.1:{port}", {"TRITON_INTERPRET": "1", **(env or {})}, log_path)
 
     def wait_ready(self, timeout_s: float = STARTUP_TIMEOUT_S) -> float:
-        """Block until the server answers /health_generate; return the start-up time."""
-        started = time.monotonic()
-        while time.monotonic() - started < timeout_s:
-            if self.process.poll() is not None:
-                raise RuntimeError(
-                    f"sglang server exited with {self.process.returncode} during start-up; "
-                    f"log: {self.log_tail()}"
-                )
-            try:
-                if requests.get(f"{self.base_url}/health_generate", timeout=30).ok:
-                    self.startup_s = time.monotonic() - started
-                    return self.startup_s
-            except requests.RequestException:
-                pass
-            time.sleep(1.0)
-        raise TimeoutError(f"sglang server not ready after {timeout_s} s; log: {self.log_tail()}")
+        return super().wait_ready(timeout_s)
 
     def generate(self, input_ids: list[int], max_new_tokens: int, **extra) -> dict:
         payload = {
@@ -153,30 +105,6 @@ class SGLangServer:
     def num_running_requests(self) -> int:
         loads = requests.get(f"{self.base_url}/v1/loads", timeout=30).json()["loads"]
         return sum(load["num_running_reqs"] for load in loads)
-
-    def log_tail(self, num_chars: int = 4000) -> str:
-        if self.log_path is None or not self.log_path.exists():
-            return "(no log)"
-        return self.log_path.read_text(errors="replace")[-num_chars:]
-
-    def stop(self) -> None:
-        """Kill the whole process group: the launcher, scheduler and detokenizer."""
-        if self.process.poll() is None:
-            try:
-                os.killpg(self.process.pid, signal.SIGTERM)
-                self.process.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.process.pid, signal.SIGKILL)
-                self.process.wait(timeout=20)
-            except ProcessLookupError:
-                pass
-        # Children re-parented after the launcher exited still carry its group id.
-        try:
-            os.killpg(self.process.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        if self._log is not subprocess.DEVNULL:
-            self._log.close()
 
 
 DOCUMENTED_CPU_SECTION = "## On a machine without a GPU"
