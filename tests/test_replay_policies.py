@@ -134,3 +134,42 @@ def test_peers_never_beat_the_oracle():
     oracle = totals[PEER_POLICIES.index("oracle")]
     assert all(total <= oracle for total in totals)
     assert totals[PEER_POLICIES.index("none")] == 0
+
+
+def clairvoyant(requests, budget):
+    from sglang_hybrid.replay.policies.bounds import ClairvoyantPolicy
+
+    policy = ClairvoyantPolicy(budget, PROFILE, requests)
+    return [outcomes[0].cached_tokens for _, outcomes in drive(requests, [policy])], policy
+
+
+def test_clairvoyant_keeps_the_checkpoint_used_soonest():
+    # Two sessions share nothing; with one slot the clairvoyant keeps, after each request,
+    # the target that comes back first: b's continuation is needed before a's.
+    a1, b1 = tokens(500), tokens(400)
+    oa, ob = tokens(5), tokens(5)
+    requests = [req(a1, oa, session="a"), req(b1, ob, session="b", turn=1),
+                req(np.concatenate([b1, ob, tokens(50)]), tokens(5), session="b", turn=2),
+                req(np.concatenate([a1, oa, tokens(50)]), tokens(5), session="a", turn=3)]
+    reused, _ = clairvoyant(requests, budget=1)
+    # One slot: after b1 it holds b's continuation (used at b2, before a's at a2); a slot is
+    # never emptied without need, so a's, taken first, was kept until b's displaced it.
+    assert reused == [0, 0, 405, 0]
+    reused, policy = clairvoyant(requests, budget=2)
+    assert reused == [0, 0, 405, 505]
+    assert policy.slots_peak <= 2
+
+
+def test_clairvoyant_lies_between_the_oracle_and_no_cache_and_refuses_other_requests():
+    trace = synthetic_agent_trace(sessions=4, seed=3, min_steps=6, max_steps=12)
+    for budget in (1, 4, 64):
+        reused, policy = clairvoyant(trace.requests, budget)
+        oracle, _ = cached("oracle", trace.requests)
+        assert all(0 <= r <= o for r, o in zip(reused, oracle))
+        assert policy.slots_peak <= budget
+    with pytest.raises(ValueError, match="requests it was built with"):
+        list(drive(trace.requests[:1], [policy]))  # past the requests it was built with
+    from sglang_hybrid.replay.policies.bounds import ClairvoyantPolicy
+
+    with pytest.raises(ValueError, match="requests it was built with"):
+        list(drive(list(reversed(trace.requests)), [ClairvoyantPolicy(4, PROFILE, trace.requests)]))

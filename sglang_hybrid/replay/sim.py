@@ -27,9 +27,10 @@ from ..config import DEFAULT_CHECKPOINT_SLOTS
 from ..engine.tiny_models import DEFAULT_TINY_MODEL
 from .cost_model import DEFAULT_PROFILE, CostProfile, get_profile
 from .policies import POLICIES, Policy, ServeOutcome, drive, make_policy
+from .policies.bounds import ClairvoyantPolicy
 from .policies.semantic import SemanticPolicy
 from .results import policy_row, results_envelope, write_json, write_results
-from .trace import Trace, load_trace
+from .trace import Request, Trace, load_trace
 
 SWEEP_BUDGETS = (16, 64, 256)
 BACKENDS = ("sim", "engine", "server")
@@ -68,11 +69,15 @@ class PolicyStats:
         )
 
 
-def build_policy(name: str, budget_slots: int, profile: CostProfile, host_slots: int = 0) -> Policy:
+def build_policy(name: str, budget_slots: int, profile: CostProfile, host_slots: int = 0,
+                 requests: Sequence[Request] = ()) -> Policy:
     """`name` under a device budget; `host_slots` sizes the semantic policy's host tier, the
-    other policies have none and ignore it."""
+    other policies have none and ignore it; `requests` (in arrival order) are what the
+    offline `clairvoyant` reference knows ahead."""
     if name == SemanticPolicy.name:
         return SemanticPolicy(budget_slots, profile, host_slots=host_slots)
+    if name == ClairvoyantPolicy.name:
+        return ClairvoyantPolicy(budget_slots, profile, requests)
     return make_policy(name, budget_slots, profile)
 
 
@@ -83,14 +88,15 @@ def simulate(trace: Trace, policy_names: Sequence[str], budgets: Sequence[int], 
     `host_slots`: the semantic policy's host tier at every budget (see build_policy).
     """
     for name in policy_names:
-        if name not in POLICIES:
-            raise ValueError(f"unknown policy {name!r}; known: {', '.join(POLICIES)}")
+        if name not in POLICIES and name != ClairvoyantPolicy.name:
+            raise ValueError(f"unknown policy {name!r}; known: {', '.join([*POLICIES, ClairvoyantPolicy.name])}")
     if host_slots < 0:
         raise ValueError(f"host_slots must be >= 0, got {host_slots}")
-    stats = {budget: {name: PolicyStats(build_policy(name, budget, profile, host_slots)) for name in policy_names}
+    requests = sorted(trace.requests, key=lambda r: r.arrival_s)
+    stats = {budget: {name: PolicyStats(build_policy(name, budget, profile, host_slots, requests))
+                      for name in policy_names}
              for budget in budgets}
     flat = [entry for by_name in stats.values() for entry in by_name.values()]
-    requests = sorted(trace.requests, key=lambda r: r.arrival_s)
     bar = tqdm(total=len(requests), unit="req", desc="replay",
                disable=not progress or len(requests) < PROGRESS_MIN_REQUESTS)
     for _, outcomes in drive(requests, [entry.policy for entry in flat]):
