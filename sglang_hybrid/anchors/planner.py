@@ -358,10 +358,14 @@ class CheckpointPlanner:
         # and of those, the ones that left the same leader's prompt at a message start.
         self.follow_seen = {True: 0, False: 0}
         self.follow_parted = {True: 0, False: 0}
+        # Held checkpoint -> its value, until the planner's state next changes: an eviction
+        # scan values every held checkpoint, and consecutive evictions see the same state.
+        self._held_values: dict[CheckpointId, float] = {}
 
     # ---- planning ----
 
     def plan(self, ctx: RequestContext) -> CheckpointPlan:
+        self._held_values.clear()
         self.clock += 1
         prompt_len = int(ctx.prompt_ids.shape[0])
         session = self.sessions.get(ctx.session)
@@ -546,9 +550,7 @@ class CheckpointPlanner:
             for depth, purpose in candidates
         ]
         free = ctx.free_slots
-        held_values = sorted(
-            self._value(record, checkpoint) for checkpoint, record in self.records.items()
-        )
+        held_values = sorted(self.value(checkpoint, record.depth) for checkpoint, record in self.records.items())
         admitted = []
         # Most valuable first: each admission without a free slot displaces the least valuable
         # held checkpoint, which is then no longer the bar for the next one.
@@ -574,6 +576,7 @@ class CheckpointPlanner:
         owner = self.sessions.get(session)
         if owner is None:
             raise KeyError(f"session {session!r} was never planned")
+        self._held_values.clear()
         owner.sequence, owner.index = sequence, _AnchorIndex(anchors, int(sequence.shape[0]))
 
     def record_checkpoint(self, checkpoint: CheckpointId, session: str, depth: int, purpose: Purpose) -> None:
@@ -581,6 +584,7 @@ class CheckpointPlanner:
         owner = self.sessions.get(session)
         if owner is None:
             raise KeyError(f"session {session!r} was never planned")
+        self._held_values.clear()
         self._drop_record(checkpoint)
         self.records[checkpoint] = self._new_record(session, depth, purpose)
         if purpose is Purpose.SHARED_PATH:
@@ -599,6 +603,7 @@ class CheckpointPlanner:
     def move_record(self, old: CheckpointId, new: CheckpointId) -> None:
         """The checkpoint held in ``old`` now sits in ``new`` (the cache moved it
         between its tiers): its record -- uses, age, place on its session's path -- follows."""
+        self._held_values.clear()
         record = self.records.pop(old, None)
         self._drop_record(new)
         if record is None:
@@ -620,6 +625,7 @@ class CheckpointPlanner:
         record = self.records.pop(checkpoint, None)
         if record is None:
             return
+        self._held_values.clear()
         session = self.sessions[record.session]
         session.on_path.pop(checkpoint, None)
         if session.continuation == checkpoint:
@@ -635,7 +641,10 @@ class CheckpointPlanner:
         record = self.records.get(checkpoint)
         if record is None or record.depth != depth:
             return 0.0
-        return self._value(record, checkpoint)
+        value = self._held_values.get(checkpoint)
+        if value is None:
+            value = self._held_values[checkpoint] = self._value(record, checkpoint)
+        return value
 
     def _value(self, record: _Record, checkpoint: Optional[CheckpointId]) -> float:
         """Expected recomputed tokens saved by ``record``'s checkpoint: held in ``checkpoint``, or a

@@ -222,11 +222,16 @@ class SemanticStateCache(UnifiedRadixCache):
             held_depths=tuple(depth for depth, _ in held),
             free_slots=self.checkpoint_pool.available_size(),
         ))  # fmt: skip
-        staged = []
-        for depth in depths:
+        # Every slot is taken before the planning hears of any: the evictions that make room
+        # are judged on the values the plan was made with.
+        slots = []
+        for _ in depths:
             slot = self.alloc_checkpoint_slot()
             if slot is None:
                 break
+            slots.append(slot)
+        staged = []
+        for depth, slot in zip(depths, slots):
             self.stage_checkpoint(req, depth, slot)
             checkpoint = CheckpointId.device(slot)
             self.planning.staged(req.rid, depth, checkpoint)

@@ -270,7 +270,8 @@ class SemanticMambaComponent(MambaComponent):
         return None
 
     def _pick_victim(self) -> tuple[Optional["UnifiedTreeNode"], Optional[float]]:
-        """The device victim and its value (None when eviction follows recency)."""
+        """The device victim and its value (None when eviction follows recency): the unlocked
+        checkpoint the planning values least, ties to the least recently restored."""
         lru = self.tree_core.lru_lists[MAMBA]
         node = lru.get_lru_no_lock()
         planning = self.cache.eviction_valuation
@@ -278,17 +279,35 @@ class SemanticMambaComponent(MambaComponent):
             return node, None
         best, best_score = None, None
         while node is not None:
-            score = planning.value(CheckpointId.device(node.component_data[MAMBA].value), node_depth(node))
+            checkpoint, depth = held_checkpoint(node)
+            score = planning.value(checkpoint, depth)
             if best_score is None or score < best_score:
                 best, best_score = node, score
             node = lru.get_prev_no_lock(node)
         return best, best_score
 
 
+def held_checkpoint(node: "UnifiedTreeNode") -> tuple[CheckpointId, int]:
+    """The device checkpoint ``node`` holds and its depth (tokens from the root to the node's
+    end), remembered on the node: a node keeps its depth for life (a split puts the new node
+    above it), and reading a slot tensor or walking to the root on every eviction scan is what
+    made victim selection slow. The memo follows the slot: a new value is read again."""
+    slot = node.component_data[MAMBA].value
+    memo = getattr(node, "semantic_checkpoint_memo", None)
+    if memo is None or memo[0] is not slot:
+        depth = memo[2] if memo is not None else node_depth(node)
+        memo = node.semantic_checkpoint_memo = (slot, CheckpointId.device(slot), depth)
+    return memo[1], memo[2]
+
+
 def node_depth(node: "UnifiedTreeNode") -> int:
     """Tokens from the root to the end of ``node``: the position its checkpoint holds."""
+    memo = getattr(node, "semantic_checkpoint_memo", None)
+    if memo is not None:
+        return memo[2]
     depth = 0
-    while node.parent is not None:
-        depth += len(node.key)
-        node = node.parent
+    walk = node
+    while walk.parent is not None:
+        depth += len(walk.key)
+        walk = walk.parent
     return depth

@@ -1,0 +1,137 @@
+"""Scheduler-thread cost of checkpoint planning and eviction, per request and per eviction.
+
+The semantic cache plans a request's checkpoints at its first prefill forward and evicts a
+checkpoint whenever a planned one needs a slot; both run on SGLang's scheduler thread. This
+replays agent sessions of ~100 messages with prompts of 8k, 32k and 128k tokens through the
+real cache (``SemanticPolicy``: the request lifecycle a server runs) at 64 and 1,024
+checkpoint slots, sessions interleaved, each turn appending an assistant message and a tool
+result and masking the oldest unmasked tool result (an observation-masking agent), so the
+pool fills and stays full. It times ``CheckpointPlanning.plan`` (per request) and the
+component's victim selection (per eviction) with ``time.perf_counter``.
+
+Targets (issue 21): planning + eviction < 1 ms per request, < 50 us per eviction. Writes
+results/bench/planner_cost.json; the last line is `worst_eviction_us: <value>`.
+
+    python bench/planner_cost.py [--slots 64 1024] [--prompt-tokens 8192 32768 131072]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+from sglang.srt.mem_cache.unified_cache.components.base import ComponentType
+
+from sglang_hybrid.anchors.special_tokens import QWEN3_SPECIAL_IDS
+from sglang_hybrid.replay.cost_model import DEFAULT_PROFILE, get_profile
+from sglang_hybrid.replay.policies import drive
+from sglang_hybrid.replay.policies.semantic import SemanticPolicy, tiny_state_spec
+from sglang_hybrid.replay.rendering import qwen3_encode
+from sglang_hybrid.replay.shared_data import REPO_ROOT
+from sglang_hybrid.replay.trace import Request
+
+MESSAGES = 100
+SESSIONS = 8
+TURNS = 5
+PER_REQUEST_TARGET_MS = 1.0
+PER_EVICTION_TARGET_US = 50.0
+
+IM_START = QWEN3_SPECIAL_IDS["<|im_start|>"]
+IM_END = QWEN3_SPECIAL_IDS["<|im_end|>"]
+
+
+def _message(role: str, content: np.ndarray) -> np.ndarray:
+    header = qwen3_encode(f"{role}\n")
+    return np.concatenate([[IM_START], header, content, [IM_END], qwen3_encode("\n")]).astype(np.int32)
+
+
+def session_requests(rng: np.random.Generator, session: int, prompt_tokens: int, system: np.ndarray) -> list[Request]:
+    """A session whose first prompt holds MESSAGES messages and ~prompt_tokens tokens; each
+    later turn appends the previous output and a tool result and masks the oldest tool result."""
+    content = max(8, (prompt_tokens - len(system)) // MESSAGES - 6)
+    roles = ["user", *(["assistant", "user"] * (MESSAGES // 2))][: MESSAGES - 1]
+    history = [_message(role, rng.integers(1000, 100_000, content)) for role in roles]
+    masked = _message("user", np.asarray(qwen3_encode("[observation masked]")))
+    requests, next_to_mask = [], 2
+    for turn in range(TURNS):
+        prompt = np.concatenate([system, *history, [IM_START], qwen3_encode("assistant\n")]).astype(np.int32)
+        output = np.concatenate([rng.integers(1000, 100_000, 40), [IM_END]]).astype(np.int32)
+        requests.append(Request(f"s{session}", turn, float(turn), prompt, output))
+        history += [_message("assistant", output[:-1]), _message("user", rng.integers(1000, 100_000, content))]
+        history[next_to_mask] = masked
+        next_to_mask += 2
+    return requests
+
+
+def measure(slots: int, prompt_tokens: int) -> dict[str, float]:
+    rng = np.random.default_rng(prompt_tokens + slots)
+    system = _message("system", rng.integers(1000, 100_000, 512))
+    sessions = [session_requests(rng, s, prompt_tokens, system) for s in range(SESSIONS)]
+    requests = [sessions[s][t] for t in range(TURNS) for s in range(SESSIONS)]  # interleaved
+    total = sum(len(r.input_ids) + len(r.output_ids) for r in requests)
+    spec = tiny_state_spec(kv_tokens=1 << int(np.ceil(np.log2(total + 1))), max_context=1 << 18)
+    policy = SemanticPolicy(slots, get_profile(DEFAULT_PROFILE), spec=spec)
+    planning = policy.cache.planning
+    component = policy.cache.components[ComponentType.MAMBA]
+    plan_s, victim_s = [], []
+
+    def timed(function, sink):
+        def wrapper(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                sink.append(time.perf_counter() - start)
+        return wrapper
+
+    planning.plan = timed(planning.plan, plan_s)
+    component._pick_victim = timed(component._pick_victim, victim_s)
+    costs, evictions_seen = [], 0
+    for _ in drive(requests, [policy]):
+        costs.append(sum(plan_s) + sum(victim_s[evictions_seen:]))
+        plan_s.clear()
+        evictions_seen = len(victim_s)
+    costs, evictions = np.array(costs), np.array(victim_s)
+    return {
+        "slots": slots, "prompt_tokens": prompt_tokens, "requests": len(requests),
+        "mean_prompt_tokens": float(np.mean([len(r.input_ids) for r in requests])),
+        "evictions": int(evictions.size),
+        "per_request_ms_mean": float(costs.mean() * 1e3), "per_request_ms_p99": float(np.percentile(costs, 99) * 1e3),
+        "per_eviction_us_mean": float(evictions.mean() * 1e6) if evictions.size else 0.0,
+        "per_eviction_us_p99": float(np.percentile(evictions, 99) * 1e6) if evictions.size else 0.0,
+    }
+
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--slots", type=int, nargs="+", default=[64, 1024])
+    parser.add_argument("--prompt-tokens", type=int, nargs="+", default=[8192, 32768, 131072])
+    parser.add_argument("--out", type=Path, default=REPO_ROOT / "results" / "bench")
+    args = parser.parse_args()
+    rows = []
+    print(f"{'slots':>6s}{'prompt':>9s}{'reqs':>6s}{'evictions':>10s}{'ms/req mean':>13s}{'p99':>9s}"
+          f"{'us/evict mean':>15s}{'p99':>9s}")
+    for slots in args.slots:
+        for tokens in args.prompt_tokens:
+            row = measure(slots, tokens)
+            rows.append(row)
+            print(f"{slots:>6d}{tokens:>9d}{row['requests']:>6d}{row['evictions']:>10d}"
+                  f"{row['per_request_ms_mean']:>13.3f}{row['per_request_ms_p99']:>9.3f}"
+                  f"{row['per_eviction_us_mean']:>15.1f}{row['per_eviction_us_p99']:>9.1f}", flush=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    worst_request = max(r["per_request_ms_mean"] for r in rows)
+    worst_eviction = max(r["per_eviction_us_mean"] for r in rows)
+    (args.out / "planner_cost.json").write_text(json.dumps({
+        "targets": {"per_request_ms": PER_REQUEST_TARGET_MS, "per_eviction_us": PER_EVICTION_TARGET_US},
+        "rows": rows, "worst_request_ms": worst_request, "worst_eviction_us": worst_eviction,
+    }, indent=2) + "\n")
+    print(f"worst_request_ms: {worst_request:.3f}")
+    print(f"worst_eviction_us: {worst_eviction:.1f}")
+
+
+if __name__ == "__main__":
+    main()
