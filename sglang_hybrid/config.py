@@ -23,7 +23,7 @@ GIB = 1 << 30
 DEFAULT_CHECKPOINT_SLOTS = 64
 
 # Which checkpoints a request gets beyond the end-of-request state the cache always keeps:
-# "adaptive" learns where each session's edits land (anchors/planner.py), "messages" takes
+# "adaptive" learns where each session's edits land (planning/planner.py), "messages" takes
 # one at every detected message start as slots allow, "none" takes no extra ones.
 CHECKPOINT_PLANNERS: tuple[str, ...] = ("adaptive", "messages", "none")
 # Which checkpoint goes first when the pool is full: least recently restored, or the one

@@ -20,9 +20,9 @@ from sglang.srt.mem_cache.registry import (
 from sglang.srt.mem_cache.unified_cache.components.base import ComponentType
 
 from sglang_hybrid import patches
-from sglang_hybrid.anchors.anchor_planning import AnchorPlanning
+from sglang_hybrid.planning.anchor_planning import AnchorPlanning
 from sglang_hybrid.anchors.detector import NO_ANCHORS, AnchorDetector
-from sglang_hybrid.anchors.planner import CheckpointPlanner
+from sglang_hybrid.planning.planner import CheckpointPlanner
 from sglang_hybrid.cache.checkpoint_pool import StateCheckpointPool, StateLayout
 from sglang_hybrid.cache.planning import CheckpointPlanning
 from sglang_hybrid.cache.semantic_cache import SemanticStateCache

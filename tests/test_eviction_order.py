@@ -17,6 +17,7 @@ from sglang.srt.mem_cache.unified_cache.components.base import ComponentType
 
 from sglang_hybrid.anchors.special_tokens import QWEN3_SPECIAL_IDS
 from sglang_hybrid.cache.planning import CheckpointId
+from sglang_hybrid.planning.valuation import checkpoint_value
 from sglang_hybrid.replay.cost_model import DEFAULT_PROFILE, get_profile
 from sglang_hybrid.replay.policies import drive
 from sglang_hybrid.replay.policies.semantic import SemanticPolicy, tiny_state_spec
@@ -41,7 +42,8 @@ def brute_force_victim(policy: SemanticPolicy):
     while node is not None:
         checkpoint = CheckpointId.device(int(node.component_data[MAMBA].value))
         record = planner.records.get(checkpoint)
-        fresh = 0.0 if record is None or record.depth != walked_depth(node) else planner._value(record, checkpoint)
+        known = record is not None and record.depth == walked_depth(node)
+        fresh = checkpoint_value(record, checkpoint, planner.sessions, planner.stream) if known else 0.0
         if best_value is None or fresh < best_value:
             best, best_value = node, fresh
         node = lru.get_prev_no_lock(node)

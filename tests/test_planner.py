@@ -18,7 +18,8 @@ from typing import Optional
 import numpy as np
 from sglang_hybrid.anchors.detector import AnchorDetector
 from sglang_hybrid.anchors.hints import validate_hints
-from sglang_hybrid.anchors.planner import CheckpointPlanner, Purpose, RequestContext
+from sglang_hybrid.planning.planner import CheckpointPlanner
+from sglang_hybrid.planning.state import Purpose, RequestContext
 from sglang_hybrid.anchors.special_tokens import QWEN3_NEWLINE_ID, QWEN3_ROLE_IDS, QWEN3_SPECIAL_IDS
 from sglang_hybrid.cache.planning import CheckpointId
 

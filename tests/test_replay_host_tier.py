@@ -15,7 +15,7 @@ import json
 
 import pytest
 
-from sglang_hybrid.anchors.planner import Purpose
+from sglang_hybrid.planning.state import Purpose
 from sglang_hybrid.cache.planning import Tier
 from sglang_hybrid.replay.cli_replay import replay_main
 from sglang_hybrid.replay.cost_model import get_profile

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 from .base import Policy, ReplayStep, ServeOutcome
 
 if TYPE_CHECKING:
-    from ...anchors.planner import CheckpointPlanner
+    from ...planning.planner import CheckpointPlanner
     from ...harness.pools import HybridPoolSpec
 
 # Distinct tokens of the replayed traces: tau-bench airline 0.7M append-only, 1.6M under the

@@ -26,7 +26,8 @@ import numpy as np
 
 from sglang_hybrid.anchors.detector import AnchorDetector, AnchorKind
 from sglang_hybrid.anchors.hints import HintMode
-from sglang_hybrid.anchors.planner import CheckpointPlanner, Purpose, RequestContext
+from sglang_hybrid.planning.planner import CheckpointPlanner
+from sglang_hybrid.planning.state import Purpose, RequestContext
 from sglang_hybrid.cache.planning import CheckpointId, RequestToPlan
 from sglang_hybrid.kernels import MIN_CAPTURE_SPACING
 

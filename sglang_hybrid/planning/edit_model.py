@@ -1,0 +1,73 @@
+"""The online edit model: which addresses named the restore point of a session's past edits."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from sglang_hybrid.planning.addresses import Address, AnchorIndex
+
+
+class EditModel:
+    """Addresses of past edit points, scored by how often each named the restore point of the
+    edits that followed.
+
+    Shares form a distribution over the addresses (ties split an edit's credit), so several
+    rules mixing in one session -- a masked observation on tool turns, a re-rendered answer on
+    user turns -- each keep the probability of their own edits.
+    """
+
+    def __init__(self, capacity: int, learning_rate: float):
+        self.capacity = capacity
+        self.learning_rate = learning_rate
+        # Address -> running frequency with which it named the checkpoint an edit would
+        # restore from: the deepest point at or before the edit among all addresses scored.
+        self.shares: dict[Address, float] = {}
+
+    def observe(self, index: AnchorIndex, edit_point: int, prior: Optional["EditModel"]) -> None:
+        """Learn from one edit: the request diverged from the sequence ``index`` describes at
+        ``edit_point``."""
+        reached = {address: index.position_of(address) for address in self.shares}
+        usable = [depth for depth in reached.values() if depth is not None and depth <= edit_point]
+        best = max(usable, default=None)
+        winners = sum(1 for depth in usable if depth == best)
+        for address, share in self.shares.items():
+            target = 1.0 / winners if best is not None and reached[address] == best else 0.0
+            self.shares[address] = share + self.learning_rate * (target - share)
+        new = [address for address in index.addresses_of(edit_point) if address not in self.shares]
+        for address in new:
+            # A description of the edit just seen has predicted nothing yet: it starts at the
+            # stream-wide share of that description, else at zero, so shares stay frequencies
+            # (summing to at most one) and a description earns weight only by predicting.
+            self.shares[address] = prior.shares.get(address, 0.0) if prior is not None else 0.0
+        excess = len(self.shares) - self.capacity
+        if excess > 0:
+            # The descriptions just added have not competed yet: drop the weakest of the others
+            # (the oldest first among equals).
+            veterans = [address for address in self.shares if address not in new]
+            weakest = sorted(range(len(veterans)), key=lambda i: (self.shares[veterans[i]], i))[:excess]
+            for i in weakest:
+                del self.shares[veterans[i]]
+
+    def predict(
+        self, index: AnchorIndex, limit: int, prior: Optional["EditModel"] = None, prior_weight: float = 0.0
+    ) -> dict[int, float]:
+        """Depth -> probability that the next edit restores from a checkpoint there, for the
+        ``limit`` most likely depths, evaluated on ``index``.
+
+        With a ``prior`` the shares are ``prior_weight`` parts the prior's to one part this
+        model's: a session that has shown one edit rule may still follow another the stream
+        shows (a rewritten answer on every call as well as a moved block on user turns).
+        """
+        predictions: dict[int, float] = {}
+        mine = 1.0 / (1.0 + prior_weight) if prior is not None else 1.0
+        sources = [(self.shares, mine)]
+        if prior is not None:
+            sources.append((prior.shares, 1.0 - mine))
+        for shares, weight in sources:
+            for address, share in shares.items():
+                depth = index.position_of(address)
+                if depth is None or depth <= 0 or share <= 0.0:
+                    continue
+                predictions[depth] = predictions.get(depth, 0.0) + weight * share
+        ranked = sorted(predictions.items(), key=lambda item: (-item[1], item[0]))[:limit]
+        return {depth: min(probability, 1.0) for depth, probability in ranked}

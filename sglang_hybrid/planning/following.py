@@ -1,0 +1,65 @@
+"""Which session a request follows: trials of one task, run one after another, send the same
+prompts until their outputs differ. The planner remembers which request first sent each prompt
+prefix ending at a message start; a prompt that repeats another session's (whole, or up to a
+message start, beyond the first message) names the session it follows."""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from typing import Optional
+
+import numpy as np
+
+from sglang_hybrid.planning.state import MAX_REMEMBERED_PREFIXES, Follow
+
+
+def prefix_digests(prompt: np.ndarray, boundaries: list[int]) -> tuple[list[bytes], dict[int, bytes]]:
+    """Digests of the prompt's prefixes ending at ``boundaries``, and depth -> digest of the
+    message ending there (for each boundary but the prompt's end)."""
+    prefix = hashlib.blake2b(digest_size=16)
+    digests, messages = [], {}
+    previous = 0
+    for depth in boundaries:
+        chunk = prompt[previous:depth].tobytes()
+        prefix.update(chunk)
+        digests.append(prefix.digest())
+        if depth < prompt.shape[0]:
+            messages[depth] = hashlib.blake2b(chunk, digest_size=16).digest()
+        previous = depth
+    return digests, messages
+
+
+class PrefixProducers:
+    """Digest of a prompt prefix ending at a message start (or of a whole prompt) -> the session
+    and clock of the request that sent it first; the oldest are forgotten first."""
+
+    def __init__(self, capacity: int = MAX_REMEMBERED_PREFIXES):
+        self.capacity = capacity
+        self._first: OrderedDict[bytes, tuple[str, int]] = OrderedDict()
+
+    def leader(self, session: str, starts: list[int], digests: list[bytes],
+               messages: dict[int, bytes]) -> Optional[Follow]:
+        """The session whose earlier prompt this one (of ``session``, message starts
+        ``starts``, prefix ``digests`` at ``[*starts, len(prompt)]``) repeats beyond its first
+        message: the one that first sent the deepest such prefix, or the whole prompt."""
+        matched = 0
+        while matched < len(digests) and digests[matched] in self._first:
+            matched += 1
+        if matched < 2:
+            return None
+        leader, lead_clock = self._first[digests[matched - 1]]
+        if leader == session:
+            return None
+        whole = matched == len(digests)
+        last_shared = starts[-1] if whole else starts[matched - 1]
+        return Follow(leader, lead_clock, whole, messages[last_shared])
+
+    def remember(self, digests: list[bytes], session: str, clock: int) -> None:
+        for digest in digests:
+            if digest in self._first:
+                self._first.move_to_end(digest)
+            else:
+                self._first[digest] = (session, clock)
+        while len(self._first) > self.capacity:
+            self._first.popitem(last=False)

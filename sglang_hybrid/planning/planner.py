@@ -1,0 +1,343 @@
+"""CheckpointPlanner: which depths of a request get a recurrent-state checkpoint, under a budget.
+
+A checkpoint is worth its slot only if a later request restores from it, and a later request
+restores from the deepest checkpoint at or before the point where it leaves the tree. Three
+kinds of points are reached again:
+
+* the end of the request (append-only continuation): the cache keeps the generation-end state
+  on finish; the planner keeps ``len(prompt) - 1`` as well, so an identical repeat (or a
+  re-rendered output) recomputes one token;
+* where the session's next request will *edit* its history (observation masking, stripped
+  reasoning, a rewritten memory block). Edits follow a rule of the agent framework, so the
+  planner learns the rule online: each past edit point (first divergence vs the session's
+  previous request) is described in several coordinate systems -- absolute position, n-th
+  anchor from the start, n-th anchor of a kind (or n-th message of any role) from the end, n-th
+  anchor of a kind after the last user message -- and every description is scored by how well
+  it would have predicted the edits that followed. A session's own scores are blended with the
+  stream's (weighted as PRIOR_EDITS edits), so a session that has shown one rule still expects
+  the others the stream shows. The best descriptions, evaluated on the current request, give
+  the depths the next edit needs;
+* branch points, where a request leaves a path other requests share (a system prompt common to
+  all sessions): a checkpoint at the shared anchor there serves every later session;
+* shared paths: the message starts of content a request computes first, for other sessions
+  that follow it (trials of one task, forked conversations) and leave it in some message;
+* where a session following another parts from it: trials of one task, run one after
+  another, send the same prompts until their outputs differ. The planner remembers which
+  request first sent each prompt prefix ending at a message start, so a request that repeats
+  another session's prompt (whole, or up to a message start) names the session it follows.
+  Its next request shares the leader's next prompt up to the end of the last message the two
+  share, or of one more: the leader's shared-path checkpoints there are worth what the
+  follower will restore from them, at the rate followers were seen to part so.
+
+Budget: one value function, *expected recomputed tokens saved* = P(the next request that can
+use it does) x (depth - the session's shared base) -- for checkpoints that serve other sessions,
+their use rate x what they save over the shared checkpoint before them -- ranks candidates for
+admission and held checkpoints for eviction (the cache's planning ``value``), so
+a flood of message-start checkpoints never pushes out the continuation states the next turns
+need.
+
+Every decision is a deterministic function of the request stream: the clock is the number of
+requests planned, no randomness, no wall time, and no iteration over hash-ordered containers,
+so tensor-parallel ranks running their own planner agree.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Optional
+
+import numpy as np
+
+from sglang_hybrid.anchors.detector import AnchorKind, Anchors
+from sglang_hybrid.anchors.hints import HintMode
+from sglang_hybrid.cache.planning import CheckpointId
+from sglang_hybrid.planning.addresses import AnchorIndex
+from sglang_hybrid.planning.edit_model import EditModel
+from sglang_hybrid.planning.following import PrefixProducers, prefix_digests
+from sglang_hybrid.planning.state import (
+    PRIOR_EDITS, SHARED_PURPOSES, CheckpointPlan, PlannedCheckpoint, Purpose, Record, RequestContext, Session,
+    StreamStats,
+)
+from sglang_hybrid.planning.valuation import checkpoint_value, edit_probability
+
+class CheckpointPlanner:
+    """Plans checkpoints per request and values held checkpoints for eviction.
+
+    The budget it plans for is the cache's checkpoint pool: ``RequestContext.free_slots`` and
+    the checkpoints it has recorded. Use (``AnchorPlanning`` does, for the cache): ``plan(ctx)``
+    at admission (it also learns from the request); capture the returned depths during
+    prefill; ``record_checkpoint`` each checkpoint that holds one of the request's states (the
+    staged ones, and once it finished the generation-end one); ``forget`` the checkpoints the
+    cache reports free; ``value`` a held checkpoint for eviction; ``move_record`` when the
+    cache moves one between tiers. A checkpoint is known by its ``CheckpointId``.
+    """
+
+    def __init__(
+        self,
+        *,
+        predictions_per_request: int = 6,
+        model_capacity: int = 16,
+        learning_rate: float = 0.3,
+    ):
+        self.predictions_per_request = predictions_per_request
+        self.stream = StreamStats()
+        self.sessions: dict[str, Session] = {}
+        self.records: dict[CheckpointId, Record] = {}
+        self._model_capacity = model_capacity
+        self._learning_rate = learning_rate
+        # Stream-wide edit model: the prior for sessions with little history.
+        self.global_model = EditModel(model_capacity, learning_rate)
+        self._producers = PrefixProducers()
+        # Held checkpoint -> its value, until the planner's state next changes: an eviction
+        # scan values every held checkpoint, and consecutive evictions see the same state.
+        self._held_values: dict[CheckpointId, float] = {}
+
+    @property
+    def clock(self) -> int:
+        """Requests planned: the planner's only notion of time."""
+        return self.stream.clock
+
+    # ---- planning ----
+
+    def plan(self, ctx: RequestContext) -> CheckpointPlan:
+        self._held_values.clear()
+        self.stream.clock += 1
+        prompt_len = int(ctx.prompt_ids.shape[0])
+        session = self.sessions.get(ctx.session)
+        own_prefix = 0
+        if session is None:
+            session = self.sessions[ctx.session] = Session(last_clock=self.clock)
+            session.base_depth = ctx.restored_depth
+        else:
+            own_prefix = self._learn_transition(session, ctx.prompt_ids)
+        if ctx.restored is not None and ctx.restored in self.records:
+            restored = self.records[ctx.restored]
+            restored.uses += 1
+            if restored.purpose is Purpose.SHARED_PATH and restored.session != ctx.session:
+                self.stream.shared_uses += 1
+        # The previous continuation state was just consumed (or bypassed by an edit); the one
+        # this request leaves replaces it once recorded.
+        session.continuation = None
+        self._follow(ctx, session)
+
+        index = AnchorIndex(ctx.anchors, prompt_len)
+        if session.model is not None:
+            # The session's own edits count as many times as it has shown; the stream's rule
+            # weighs as PRIOR_EDITS of them.
+            predicted = session.model.predict(index, self.predictions_per_request, self.global_model,
+                                              PRIOR_EDITS / session.edits)
+        else:
+            predicted = self.global_model.predict(index, self.predictions_per_request)
+        session.predictions = {
+            depth: probability * edit_probability(session, self.stream) for depth, probability in predicted.items()
+        }
+        # Until the request finishes, its prompt is what the session's next request follows.
+        session.sequence, session.index = ctx.prompt_ids, index
+        session.last_clock = self.clock
+
+        candidates = self._candidates(ctx, session, prompt_len, own_prefix)
+        return CheckpointPlan(self._admit(candidates, ctx))
+
+    def _follow(self, ctx: RequestContext, session: Session) -> None:
+        """Find the session this prompt follows (``PrefixProducers.leader``), learn how the
+        previous prompt's follow state went on, and remember this prompt's prefixes."""
+        prompt_len = int(ctx.prompt_ids.shape[0])
+        starts = [int(d) for d in ctx.anchors.of_kind(AnchorKind.MESSAGE_START).tolist() if 0 < d < prompt_len]
+        digests, session.planned_messages = prefix_digests(ctx.prompt_ids, [*starts, prompt_len])
+        follow = self._producers.leader(ctx.session, starts, digests, session.planned_messages)
+        before = session.following
+        if before is not None:
+            self.stream.follow_seen[before.whole] += 1
+            if follow is not None and follow.leader == before.leader and not follow.whole:
+                self.stream.follow_parted[before.whole] += 1
+            self.sessions[before.leader].followers.pop(ctx.session, None)
+        session.following = follow
+        if follow is not None:
+            self.sessions[follow.leader].followers[ctx.session] = follow
+        self._producers.remember(digests, ctx.session, self.clock)
+
+    def _learn_transition(self, session: Session, prompt: np.ndarray) -> int:
+        """Learn from how this prompt continues the session's previous request; return the
+        length of their common prefix."""
+        previous = session.sequence
+        n = min(previous.shape[0], prompt.shape[0])
+        differ = np.flatnonzero(previous[:n] != prompt[:n])
+        common = int(differ[0]) if differ.size else n
+        session.transitions += 1
+        self.stream.transitions += 1
+        session.on_path = {checkpoint: depth for checkpoint, depth in session.on_path.items() if depth <= common}
+        gap = self.clock - session.last_clock
+        session.gap_total += gap
+        self.stream.gap_total += gap
+        # The previous request's final state covers all but its last output token, so a
+        # prompt that keeps at least that much is a continuation, not an edit.
+        if common < previous.shape[0] - 1 and common > 0:
+            session.edits += 1
+            self.stream.edits += 1
+            if session.model is None:
+                session.model = EditModel(self._model_capacity, self._learning_rate)
+            session.model.observe(session.index, common, self.global_model)
+            self.global_model.observe(session.index, common, None)
+        return common
+
+    def _candidates(
+        self, ctx: RequestContext, session: Session, prompt_len: int, own_prefix: int
+    ) -> list[tuple[int, Purpose]]:
+        hint = ctx.hint
+        if hint is not None and hint.mode is HintMode.NONE:
+            return []
+        lowest = ctx.restored_depth
+        held = set(int(d) for d in ctx.held_depths)
+        candidates: dict[int, Purpose] = {}
+
+        def propose(depth: int, purpose: Purpose) -> None:
+            if lowest < depth <= prompt_len and depth not in held and depth not in candidates:
+                candidates[depth] = purpose
+
+        if hint is not None and hint.mode is HintMode.EXPLICIT:
+            for depth in hint.positions.tolist():
+                propose(int(depth), Purpose.HINT)
+        if hint is not None and hint.mode is HintMode.MESSAGES:
+            for depth in ctx.anchors.of_kind(AnchorKind.MESSAGE_START).tolist():
+                propose(int(depth), Purpose.HINT)
+        propose(prompt_len - 1, Purpose.PROMPT_TAIL)
+        for depth in sorted(session.predictions):
+            # A predicted point in the output or at the prompt end is covered by the
+            # prompt-tail and generation-end states.
+            if depth < prompt_len - 1:
+                propose(depth, Purpose.PREDICTED_EDIT)
+        session.planned_spans = {}
+        branch = self._branch_depth(ctx, prompt_len, own_prefix)
+        if branch is not None and branch not in candidates:
+            propose(branch, Purpose.BRANCH)
+            session.planned_spans[branch] = branch - max([lowest, *(d for d in held if d < branch)])
+        # Content this request computes first may be followed by other sessions (trials of one
+        # task, forks of a conversation) that leave it somewhere later: a checkpoint at each
+        # new message start bounds what such a request recomputes to the message it leaves in.
+        # Only messages complete in the prompt: the last start opens the generation prompt,
+        # whose content is the output, and a request that shares the prompt up to there
+        # restores from the prompt tail.
+        starts = ctx.anchors.of_kind(AnchorKind.MESSAGE_START).tolist()
+        for previous, depth in zip(starts, starts[1:-1]):
+            if depth > max(lowest, ctx.tree_lcp) and depth < prompt_len - 1 and depth not in candidates:
+                propose(depth, Purpose.SHARED_PATH)
+                session.planned_spans[depth] = depth - max(previous, lowest)
+        return sorted(candidates.items())
+
+    @staticmethod
+    def _branch_depth(ctx: RequestContext, prompt_len: int, own_prefix: int) -> Optional[int]:
+        """Where this prompt leaves a path it shares with *other* requests, if it does.
+
+        Checkpointed at the deepest anchor at or before the divergence: sessions that share a
+        system prompt part ways a few tokens into their first message, at a different token
+        each, but all of them pass the message start.
+        """
+        shared = min(ctx.tree_lcp, prompt_len - 1)
+        if shared <= max(ctx.restored_depth, own_prefix):
+            return None
+        anchor = ctx.anchors.last_at_or_before(shared)
+        if anchor is not None and anchor > max(ctx.restored_depth, own_prefix):
+            return anchor
+        return shared
+
+    def _admit(self, candidates: list[tuple[int, Purpose]], ctx: RequestContext) -> tuple[PlannedCheckpoint, ...]:
+        valued = [
+            PlannedCheckpoint(depth, purpose, checkpoint_value(self._new_record(ctx.session, depth, purpose), None,
+                                                              self.sessions, self.stream))
+            for depth, purpose in candidates
+        ]
+        free = ctx.free_slots
+        held_values = sorted(self.value(checkpoint, record.depth) for checkpoint, record in self.records.items())
+        admitted = []
+        # Most valuable first: each admission without a free slot displaces the least valuable
+        # held checkpoint, which is then no longer the bar for the next one.
+        for checkpoint in sorted(valued, key=lambda c: (-c.value, c.depth)):
+            if checkpoint.purpose in (Purpose.PROMPT_TAIL, Purpose.HINT):
+                admitted.append(checkpoint)
+            elif free > 0:
+                if checkpoint.value > 0.0:
+                    admitted.append(checkpoint)
+            elif held_values and checkpoint.value > held_values[0]:
+                admitted.append(checkpoint)
+                held_values.pop(0)
+            else:
+                continue
+            free -= 1
+        return tuple(sorted(admitted, key=lambda c: c.depth))
+
+    # ---- bookkeeping after a request ----
+
+    def request_finished(self, session: str, sequence: np.ndarray, anchors: Anchors) -> None:
+        """``session``'s request left ``sequence`` in the tree (prompt + the output its state
+        covers; ``anchors`` detected on it): the session's next request is compared with it."""
+        owner = self.sessions.get(session)
+        if owner is None:
+            raise KeyError(f"session {session!r} was never planned")
+        self._held_values.clear()
+        owner.sequence, owner.index = sequence, AnchorIndex(anchors, int(sequence.shape[0]))
+
+    def record_checkpoint(self, checkpoint: CheckpointId, session: str, depth: int, purpose: Purpose) -> None:
+        """``checkpoint`` now holds ``session``'s checkpoint at ``depth`` (taken for ``purpose``)."""
+        owner = self.sessions.get(session)
+        if owner is None:
+            raise KeyError(f"session {session!r} was never planned")
+        self._held_values.clear()
+        self._drop_record(checkpoint)
+        self.records[checkpoint] = self._new_record(session, depth, purpose)
+        if purpose is Purpose.SHARED_PATH:
+            self.stream.shared_taken += 1
+        owner.on_path[checkpoint] = depth
+        if purpose is Purpose.CONTINUATION:
+            owner.continuation = checkpoint
+
+    def _new_record(self, session: str, depth: int, purpose: Purpose) -> Record:
+        """The record of a checkpoint ``session``'s latest request takes (or would take)."""
+        owner = self.sessions[session]
+        span = owner.planned_spans.get(depth, depth) if purpose in SHARED_PURPOSES else 0
+        message = owner.planned_messages.get(depth, b"") if purpose is Purpose.SHARED_PATH else b""
+        return Record(session, depth, purpose, self.clock, span=span, message=message)
+
+    def move_record(self, old: CheckpointId, new: CheckpointId) -> None:
+        """The checkpoint held in ``old`` now sits in ``new`` (the cache moved it
+        between its tiers): its record -- uses, age, place on its session's path -- follows."""
+        self._held_values.clear()
+        record = self.records.pop(old, None)
+        self._drop_record(new)
+        if record is None:
+            return
+        self.records[new] = record
+        session = self.sessions[record.session]
+        if old in session.on_path:
+            session.on_path[new] = session.on_path.pop(old)
+        if session.continuation == old:
+            session.continuation = new
+
+    def forget(self, free: Iterable[CheckpointId]) -> None:
+        """Drop what the planner knows about slots the cache reports free (evicted, or a
+        capture that never reached the tree)."""
+        for checkpoint in free:
+            self._drop_record(checkpoint)
+
+    def _drop_record(self, checkpoint: CheckpointId) -> None:
+        record = self.records.pop(checkpoint, None)
+        if record is None:
+            return
+        self._held_values.clear()
+        session = self.sessions[record.session]
+        session.on_path.pop(checkpoint, None)
+        if session.continuation == checkpoint:
+            session.continuation = None
+
+    # ---- valuation ----
+
+    def value(self, checkpoint: CheckpointId, depth: int) -> float:
+        """Expected tokens saved by keeping this checkpoint (the cache evicts the lowest).
+
+        A checkpoint the planner does not know (or knows at another depth) is worth nothing.
+        """
+        record = self.records.get(checkpoint)
+        if record is None or record.depth != depth:
+            return 0.0
+        value = self._held_values.get(checkpoint)
+        if value is None:
+            value = self._held_values[checkpoint] = checkpoint_value(record, checkpoint, self.sessions, self.stream)
+        return value

@@ -1,0 +1,150 @@
+"""What the planner knows: the purposes of checkpoints, a request's context, the plan, and the
+records of held checkpoints, sessions, followers and the stream's counters."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import IntEnum
+from typing import Optional, Sequence
+
+import numpy as np
+
+from sglang_hybrid.anchors.detector import Anchors
+from sglang_hybrid.anchors.hints import ValidatedHint
+from sglang_hybrid.cache.planning import CheckpointId
+from sglang_hybrid.planning.addresses import AnchorIndex
+from sglang_hybrid.planning.edit_model import EditModel
+
+# How many of a session's own requests the stream-wide statistics (edit rate, edit rule) weigh
+# as, before the session has shown its own.
+PRIOR_EDITS = 2
+# Prompt prefixes (at message starts) whose first producer the planner remembers, to tell which
+# session a request follows; the oldest are forgotten first.
+MAX_REMEMBERED_PREFIXES = 1 << 16
+
+
+class Purpose(IntEnum):
+    """Why a checkpoint was taken; it decides how its value is estimated."""
+
+    CONTINUATION = 0  # the generation-end state a request leaves on finish
+    PROMPT_TAIL = 1  # len(prompt) - 1: identical repeats, re-rendered outputs
+    PREDICTED_EDIT = 2  # where the session's next edit is predicted
+    BRANCH = 3  # where requests leave a path shared with other requests
+    HINT = 4  # a client-requested position
+    SHARED_PATH = 5  # a message start of new content other sessions may follow and leave later
+
+
+# Checkpoints taken for other sessions' requests rather than the owner's next one.
+SHARED_PURPOSES = (Purpose.BRANCH, Purpose.SHARED_PATH)
+
+
+@dataclass(frozen=True)
+class RequestContext:
+    """What the planner needs to know about one request at admission.
+
+    ``anchors`` come from ``AnchorDetector.detect(prompt_ids)``. The request's output does
+    not exist yet when it is planned (a server plans its prefill); what it leaves in the tree
+    is told to the planner with ``request_finished``.
+    ``tree_lcp`` is how many prompt tokens the tree's KV already holds; ``held_depths`` the
+    depths of checkpoints on that path; ``restored_depth``/``restored`` what the cache's
+    match restored (0/None for none); ``free_slots`` how many checkpoint slots are unused.
+    """
+
+    session: str
+    prompt_ids: np.ndarray
+    anchors: Anchors
+    tree_lcp: int
+    held_depths: Sequence[int]
+    restored_depth: int
+    restored: Optional[CheckpointId]
+    free_slots: int
+    hint: Optional[ValidatedHint] = None
+
+
+@dataclass(frozen=True)
+class PlannedCheckpoint:
+    depth: int
+    purpose: Purpose
+    value: float  # expected recomputed tokens saved, the admission criterion
+
+
+@dataclass(frozen=True)
+class CheckpointPlan:
+    """Checkpoints to capture during the request's prefill, sorted by depth, all in
+    (restored depth, len(prompt)]."""
+
+    checkpoints: tuple[PlannedCheckpoint, ...]
+
+    @property
+    def depths(self) -> list[int]:
+        return [c.depth for c in self.checkpoints]
+
+
+@dataclass
+class Record:
+    session: str
+    depth: int
+    purpose: Purpose
+    created: int
+    uses: int = 0
+    # BRANCH, SHARED_PATH: tokens a restore from it saves over the shared checkpoint before it
+    # (for a message start, the one of the message before).
+    span: int = 0
+    # SHARED_PATH: digest of the message that ends at the checkpoint.
+    message: bytes = b""
+
+
+@dataclass
+class Follow:
+    """A session whose latest prompt repeats another's: trials of one task, run one after
+    another, replay the same conversation until their outputs differ."""
+
+    leader: str
+    lead_clock: int  # the leader's request whose prompt it repeated (wholly or in part)
+    whole: bool  # the whole prompt, or up to a message start
+    # Digest of the last message the two share: the leader's later prompts hold it too (a
+    # sliding window moves it, not away), and the follower's next prompt leaves the leader's
+    # at its end if their next messages differ.
+    message: bytes
+
+
+@dataclass
+class Session:
+    last_clock: int
+    sequence: Optional[np.ndarray] = None  # prompt + output of the latest request
+    index: Optional[AnchorIndex] = None
+    transitions: int = 0  # requests that followed an earlier request of the session
+    edits: int = 0  # of those, requests that diverged before the earlier request's end
+    gap_total: int = 0  # requests of any session between consecutive requests of this one
+    base_depth: int = 0  # shared-prefix depth the session started from
+    continuation: Optional[CheckpointId] = None
+    # Checkpoint -> depth of the session's checkpoints on its current path: those before its last
+    # edit point. The others can only serve a request that undoes an edit.
+    on_path: dict[CheckpointId, int] = field(default_factory=dict)
+    # Depth -> P(the next request's edit restores from a checkpoint at that depth).
+    predictions: dict[int, float] = field(default_factory=dict)
+    model: Optional[EditModel] = None
+    # Depth -> span of the SHARED_PATH checkpoints of the latest plan, until recorded.
+    planned_spans: dict[int, int] = field(default_factory=dict)
+    # Depth -> digest of the message ending there, for the latest plan's message starts.
+    planned_messages: dict[int, bytes] = field(default_factory=dict)
+    following: Optional[Follow] = None
+    followers: dict[str, Follow] = field(default_factory=dict)
+
+
+@dataclass
+class StreamStats:
+    """Stream-wide counters: the priors of sessions with little history of their own."""
+
+    clock: int = 0  # requests planned
+    transitions: int = 0  # requests that followed an earlier request of their session
+    edits: int = 0  # of those, requests that diverged before the earlier request's end
+    gap_total: int = 0  # requests of any session between consecutive requests of one session
+    # SHARED_PATH checkpoints recorded, and restores from them by other sessions: how often
+    # the stream's sessions follow each other's new content.
+    shared_taken: int = 0
+    shared_uses: int = 0
+    # Whether a follower had repeated its leader's whole prompt -> its next requests seen,
+    # and of those, the ones that left the same leader's prompt at a message start.
+    follow_seen: dict[bool, int] = field(default_factory=lambda: {True: 0, False: 0})
+    follow_parted: dict[bool, int] = field(default_factory=lambda: {True: 0, False: 0})
