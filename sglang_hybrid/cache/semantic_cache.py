@@ -149,6 +149,7 @@ class SemanticStateCache(UnifiedRadixCache):
             return super().evict(EvictParams(num_tokens=0, mamba_num=num)).mamba_num_evicted
         finally:
             self.evicting_checkpoints = False
+            self.components[MAMBA].victim_order = None
 
     def evict(self, params: EvictParams) -> EvictResult:
         result = super().evict(self._without_live_state_request(params))
@@ -223,7 +224,10 @@ class SemanticStateCache(UnifiedRadixCache):
             free_slots=self.checkpoint_pool.available_size(),
         ))  # fmt: skip
         # Every slot is taken before the planning hears of any: the evictions that make room
-        # are judged on the values the plan was made with.
+        # are judged on the values the plan was made with, in one eviction call.
+        missing = len(depths) - self.checkpoint_pool.available_size()
+        if missing > 0 and self.checkpoint_pool.num_slots > 0:
+            self.evict_checkpoints(missing)
         slots = []
         for _ in depths:
             slot = self.alloc_checkpoint_slot()

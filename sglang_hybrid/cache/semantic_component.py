@@ -57,6 +57,9 @@ class SemanticMambaComponent(MambaComponent):
         # Checkpoints demoted to the host tier: node id -> host slot, and their recency.
         self.host_slots: dict[int, torch.Tensor] = {}
         self.host_lru: OrderedDict[int, "UnifiedTreeNode"] = OrderedDict()
+        # During one eviction call, the candidates still to pick from, the next victim last
+        # (``_pick_victim``); None outside one.
+        self.victim_order: Optional[list] = None
 
     @property
     def checkpoint_pool(self) -> StateCheckpointPool:
@@ -271,20 +274,35 @@ class SemanticMambaComponent(MambaComponent):
 
     def _pick_victim(self) -> tuple[Optional["UnifiedTreeNode"], Optional[float]]:
         """The device victim and its value (None when eviction follows recency): the unlocked
-        checkpoint the planning values least, ties to the least recently restored."""
-        lru = self.tree_core.lru_lists[MAMBA]
-        node = lru.get_lru_no_lock()
+        checkpoint the planning values least, ties to the least recently restored.
+
+        Within one ``SemanticStateCache.evict_checkpoints`` call nothing but its own victims
+        leaves the device pool and no value changes (a demotion's ``moved`` renames the
+        victim's record only), so the first pick orders every candidate once and the
+        following picks take the next in that order."""
         planning = self.cache.eviction_valuation
+        lru = self.tree_core.lru_lists[MAMBA]
         if planning is None:
-            return node, None
-        best, best_score = None, None
+            return lru.get_lru_no_lock(), None
+        if self.victim_order is None:
+            self.victim_order = self._ordered_candidates(planning)
+        while self.victim_order:
+            value, _, node = self.victim_order.pop()
+            if node.component_data[MAMBA].value is not None and node.component_data[MAMBA].lock_ref == 0:
+                return node, value
+        return None, None
+
+    def _ordered_candidates(self, planning) -> list[tuple[float, int, "UnifiedTreeNode"]]:
+        """(value, recency rank, node) of the unlocked device checkpoints, the victim last."""
+        lru = self.tree_core.lru_lists[MAMBA]
+        node, rank, order = lru.get_lru_no_lock(), 0, []
         while node is not None:
             checkpoint, depth = held_checkpoint(node)
-            score = planning.value(checkpoint, depth)
-            if best_score is None or score < best_score:
-                best, best_score = node, score
-            node = lru.get_prev_no_lock(node)
-        return best, best_score
+            order.append((planning.value(checkpoint, depth), rank, node))
+            node, rank = lru.get_prev_no_lock(node), rank + 1
+        # Lowest value first, the least recent (rank 0) first among equals; popped from the end.
+        order.sort(key=lambda entry: (entry[0], entry[1]), reverse=True)
+        return order
 
 
 def held_checkpoint(node: "UnifiedTreeNode") -> tuple[CheckpointId, int]:
