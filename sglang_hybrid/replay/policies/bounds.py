@@ -59,7 +59,7 @@ class ClairvoyantPolicy(Policy):
     request's path past its restored depth (like the oracle, at any position its prompt and
     output cover), it keeps the ``budget`` whose next request *targeting
     them exactly* comes soonest (Belady's rule; one never targeted again goes first, ties to
-    the shallower). A slot is never emptied without need.
+    the shallower, then to the one targeted first). A slot is never emptied without need.
 
     What it bounds: with unit savings per hit (every restore of an exact target worth the same)
     Belady is optimal, so it is then a lower bound on recomputed tokens for this budget. Here a
@@ -92,6 +92,10 @@ class ClairvoyantPolicy(Policy):
             if node is not None:
                 uses.setdefault(node, []).append(clock)
 
+        # Ties (same next use, same depth: different branches) go by which was targeted first,
+        # never by object identity, so the reference is the same in every run.
+        first_target = {node: order for order, node in enumerate(uses)}
+
         def next_use(node, after: int) -> float:
             times = uses.get(node, ())
             index = bisect.bisect_right(times, after)
@@ -104,7 +108,7 @@ class ClairvoyantPolicy(Policy):
             path = tree.match(sequence).path
             restored = max((n.depth for n in path if n in held and n.depth <= targets[clock]), default=0)
             candidates = [n for n in path if n in uses and n not in held and restored < n.depth]
-            pool = sorted([*held, *candidates], key=lambda n: (next_use(n, clock), n.depth))
+            pool = sorted([*held, *candidates], key=lambda n: (next_use(n, clock), n.depth, first_target[n]))
             keep = set(pool[:self.budget_slots]) if len(pool) > self.budget_slots else set(pool)
             taken = len(keep - held)
             held = keep
