@@ -223,23 +223,21 @@ class SemanticStateCache(UnifiedRadixCache):
             held_depths=tuple(depth for depth, _ in held),
             free_slots=self.checkpoint_pool.available_size(),
         ))  # fmt: skip
-        # Every slot is taken before the planning hears of any: the evictions that make room
-        # are judged on the values the plan was made with, in one eviction call.
+        # Every slot is taken (and staged, so that ``abandon_checkpoints`` frees it if the
+        # planning fails) before the planning hears of any: the evictions that make room are
+        # judged on the values the plan was made with, in one eviction call.
         missing = len(depths) - self.checkpoint_pool.available_size()
         if missing > 0 and self.checkpoint_pool.num_slots > 0:
             self.evict_checkpoints(missing)
-        slots = []
-        for _ in depths:
+        staged = []
+        for depth in depths:
             slot = self.alloc_checkpoint_slot()
             if slot is None:
                 break
-            slots.append(slot)
-        staged = []
-        for depth, slot in zip(depths, slots):
             self.stage_checkpoint(req, depth, slot)
-            checkpoint = CheckpointId.device(slot)
+            staged.append((depth, CheckpointId.device(slot)))
+        for depth, checkpoint in staged:
             self.planning.staged(req.rid, depth, checkpoint)
-            staged.append((depth, checkpoint))
         return staged
 
     def abandon_checkpoints(self, req: "Req") -> None:
