@@ -1,7 +1,7 @@
 """Run the real SGLang 0.5.23 server on a host without CUDA (tests, CI, laptops).
 
 A CUDA build of torch on a machine with no driver sends SGLang down its generic GPU paths,
-which break in three ways (each patch below names the SGLang code it works around):
+which break in four ways (each patch below names the SGLang code it works around):
 
 * device probes that assume a driver (``torch.get_device_module()`` answers ``torch.cuda``;
   the rotary embedding imports vllm's CUDA op; fla's ``input_guard`` enters
@@ -10,9 +10,11 @@ which break in three ways (each patch below names the SGLang code it works aroun
   autotuner still benchmarks on the (missing) driver;
 * kernels whose interpreted numbers are wrong: the fla chunked gated-delta rule and the
   Triton causal conv1d give non-finite output from finite input;
-* and one kernel the interpreter runs one program per token and head:
+* one kernel the interpreter runs one program per token and head:
   ``fused_qkvzba_split_reshape_cat`` (Qwen3-Next's input projection split), which took all
-  of a CPU server's prefill time.
+  of a CPU server's prefill time;
+* and kernels SGLang binds only on a GPU platform: Mamba2's conv1d (its SSD scan and decode
+  step are replaced too, ``cpu_mamba2_fallbacks``).
 
 ``install_cpu_fallbacks()`` patches each of these after import, in the process that calls
 it; our SGLang plugin calls it in every SGLang process. Each patch is small, idempotent and
@@ -33,6 +35,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from sglang_hybrid import cpu_mamba2_fallbacks
 from sglang_hybrid.kernels import GDN_CHUNK_SIZE
 
 logger = logging.getLogger(__name__)
@@ -54,6 +57,7 @@ def install_cpu_fallbacks() -> bool:
     _torch_native_gdn_kernels()
     _torch_native_causal_conv1d()
     _torch_native_qkvzba_split()
+    _torch_native_mamba2_kernels()
     _installed = True
     logger.info("sglang_hybrid: CPU fallbacks installed (no CUDA device on this host)")
     return True
@@ -411,3 +415,18 @@ def _torch_native_qkvzba_split() -> None:
     from sglang.srt.models import qwen3_next
 
     qwen3_next.fused_qkvzba_split_reshape_cat = qkvzba_split_reshape_cat
+
+
+# --------------------------------------------------------------------------------------
+# Mamba2's mixer
+
+
+def _torch_native_mamba2_kernels() -> None:
+    # MambaMixer2 binds its conv1d only on CUDA, NPU or XPU (here the names are missing
+    # altogether) and calls the Triton SSD scan and decode step by module-level name.
+    from sglang.srt.layers.attention.mamba import mamba
+
+    mamba.causal_conv1d_fn = mamba.causal_conv1d_fn_triton = causal_conv1d_fn
+    mamba.causal_conv1d_update = mamba.causal_conv1d_update_triton = causal_conv1d_update
+    mamba.mamba_chunk_scan_combined = cpu_mamba2_fallbacks.mamba_chunk_scan_combined
+    mamba.selective_state_update = cpu_mamba2_fallbacks.selective_state_update

@@ -33,14 +33,18 @@ from sglang_hybrid.cpu_fallbacks import install_cpu_fallbacks
 from sglang_hybrid.metrics import install_request_info_hook, subscribe_metrics
 from sglang_hybrid.request_validation import install_request_validation_hook
 from sglang_hybrid.runtime.hooks import install_anchor_capture_hooks
+from sglang_hybrid.runtime.mamba2_hooks import install_mamba2_capture_hooks
 from sglang_hybrid.session_routing import install_session_routing_hook
 
 logger = logging.getLogger(__name__)
 
 BACKEND_NAME = "semantic"
-# Models whose recurrent layers are Gated DeltaNet, the layer type whose prefill captures
-# anchor states (runtime/hooks.py); others keep only the checkpoints SGLang's caching takes.
+# Models whose prefill captures anchor states: recurrent layers of Gated DeltaNet
+# (runtime/hooks.py) or Mamba2 run by SGLang's Mamba2AttnBackend (runtime/mamba2_hooks.py);
+# others keep only the checkpoints SGLang's caching takes.
 GDN_MODEL_TYPES = frozenset({"qwen3_next", "qwen3_5", "qwen3_5_moe"})
+MAMBA2_MODEL_TYPES = frozenset({"nemotron_h", "granitemoehybrid", "falcon_h1"})
+CAPTURING_MODEL_TYPES = GDN_MODEL_TYPES | MAMBA2_MODEL_TYPES
 
 
 def register() -> None:
@@ -55,6 +59,7 @@ def register() -> None:
         install_request_info_hook()
         install_anchor_capture_hooks()
         install_session_routing_hook()
+        install_mamba2_capture_hooks()
 
 
 def build_semantic_state_cache(ctx: TreeCacheBuildContext) -> SemanticStateCache:
@@ -103,21 +108,23 @@ def _checkpoint_planning(
     """The planning of checkpoints inside prefills; None where the model's forward cannot
     capture them.
 
-    A server's forward captures only Gated DeltaNet states (``runtime/hooks.py``). A cache
+    A server's forward captures Gated DeltaNet states (``runtime/hooks.py``) and Mamba2
+    states (``runtime/mamba2_hooks.py``), the GDN ones with the Triton prefill kernel. A cache
     built without a model (``harness/``: the replay, the CPU engine, the tests) is driven by a
     caller that writes the staged states itself, whatever the layer type.
     """
     hf_config = getattr(ctx.model_config, "hf_config", None)
-    if ctx.model_config is not None and getattr(hf_config, "model_type", None) not in GDN_MODEL_TYPES:
+    model_type = getattr(hf_config, "model_type", None)
+    if ctx.model_config is not None and model_type not in CAPTURING_MODEL_TYPES:
         logger.info(
             "semantic state cache: no in-prefill anchor checkpoints for model type %s "
             "(captured for %s); checkpoints at request ends and prefill chunk ends only",
-            getattr(hf_config, "model_type", None),
-            ", ".join(sorted(GDN_MODEL_TYPES)),
+            model_type,
+            ", ".join(sorted(CAPTURING_MODEL_TYPES)),
         )
         return None
     prefill_backend = _gdn_prefill_backend(ctx)
-    if prefill_backend is not None and not prefill_backend.is_triton():
+    if model_type in GDN_MODEL_TYPES and prefill_backend is not None and not prefill_backend.is_triton():
         logger.warning(
             "semantic state cache: no in-prefill anchor checkpoints with the %s GDN prefill "
             "kernel (the Triton kernel writes them, patches/0002); checkpoints at request "
