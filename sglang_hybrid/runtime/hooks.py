@@ -17,8 +17,9 @@ for about the cost of writing the checkpoints; the index arithmetic is done once
 on the host (``CaptureIndex``), and no layer waits for the device. The scheduler and the model runner
 share a process (SGLang's TP worker runs in the scheduler process; ``no_buffer`` requires
 the overlap scheduler off), which is what lets the forward read what the scheduler planned.
-Models whose recurrent layers are not Gated DeltaNet get no in-prefill captures (the plugin
-builds their cache without a planning); they keep the request-end checkpoints.
+Mamba2 layers capture through ``mamba2_hooks.py``; models of other recurrent layer types get
+no in-prefill captures (the plugin builds their cache without a planning); they keep the
+request-end checkpoints.
 """
 
 from __future__ import annotations
