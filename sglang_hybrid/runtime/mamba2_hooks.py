@@ -82,20 +82,26 @@ def capture_around_mamba2_forward(
     return result
 
 
-def capture_around_mamba2_conv(original, x, *args, conv_states=None, cache_indices=None, **kwargs):
+def capture_around_mamba2_conv(original, *args, **kwargs):
+    # Arguments pass through as given: the same function may be bound elsewhere and called
+    # positionally. Inside a captured Mamba2 layer the mixer passes x first and the rest by
+    # keyword.
     target = getattr(_layer_capture, "target", None)
     if target is not None:
         # x is the mixer's (dim, tokens) view of the pre-conv inputs; the sequences continue
         # from conv_states[cache_indices[seq]] (their live slots).
-        conv_capture_states(x.t(), target.queries.index, target.conv_dst, conv_states, cache_indices)
-    return original(x, *args, conv_states=conv_states, cache_indices=cache_indices, **kwargs)
+        conv_capture_states(
+            args[0].t(), target.queries.index, target.conv_dst, kwargs["conv_states"], kwargs["cache_indices"]
+        )
+    return original(*args, **kwargs)
 
 
-def capture_around_mamba2_scan(original, *args, track_seq_idx=None, track_end_locs=None, **kwargs):
+def capture_around_mamba2_scan(original, *args, **kwargs):
     target = getattr(_layer_capture, "target", None)
     if target is None or not kwargs.get("return_track_states"):
-        return original(*args, track_seq_idx=track_seq_idx, track_end_locs=track_end_locs, **kwargs)
+        return original(*args, **kwargs)
     index = target.queries.index
+    track_seq_idx, track_end_locs = kwargs.get("track_seq_idx"), kwargs.get("track_end_locs")
     own = 0 if track_end_locs is None else track_end_locs.numel()
     if own:
         seqs = torch.cat([track_seq_idx.long(), index.seq.long()])
@@ -103,7 +109,7 @@ def capture_around_mamba2_scan(original, *args, track_seq_idx=None, track_end_lo
     else:
         seqs, ends = index.seq.long(), index.end
     chunk_states, final_states, tracked = original(
-        *args, track_seq_idx=seqs, track_end_locs=ends, **kwargs
+        *args, **{**kwargs, "track_seq_idx": seqs, "track_end_locs": ends}
     )
     target.temporal_dst[index.slot.long()] = tracked[0, own:].to(target.temporal_dst.dtype)
     return chunk_states, final_states, (tracked[:, :own] if own else None)
