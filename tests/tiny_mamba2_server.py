@@ -1,6 +1,6 @@
 """Tiny random-weight Mamba2 hybrids (NemotronH, GraniteMoeHybrid) for the real SGLang server.
 
-Written like ``tiny_server.write_tiny_qwen3_next``: transformers builds and saves the model,
+Written like ``engine.tiny_model_dirs.write_tiny_qwen3_next``: transformers builds and saves the model,
 then config.json gets the fields SGLang 0.5.23's own config classes read where transformers
 5.x names them differently. Both have Mamba2 head dim (16) and state size (32) unequal, so a
 transposed state cannot pass unseen.
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from tiny_server import EOS_TOKEN_ID, TINY_VOCAB_SIZE
+from sglang_hybrid.engine.tiny_model_dirs import EOS_TOKEN_ID, TINY_VOCAB_SIZE
 
 MAMBA2_DIMS = dict(mamba_heads=8, mamba_head_dim=16, state_size=32, conv_kernel=4, chunk_size=64)
 # SGLang's NemotronHConfig knows the block kinds as mamba/attention/mlp/moe; transformers 5.x
