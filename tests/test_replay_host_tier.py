@@ -2,9 +2,9 @@
 what they cost in TTFT, and the --host-slots flag.
 
 The hand-built trace interleaves three append-only sessions that share no prefix under a
-four-slot device pool (what one request holds at once: the checkpoint it restores, the ones it
-takes and its final state): each second turn restores its session's previous final state,
-which the other sessions' checkpoints pushed to host memory in between.
+three-slot device pool (what one request holds at once: the checkpoint it restores, its prompt
+tail and its final state): each second turn restores its session's previous final state,
+which the other sessions' final states pushed to host memory in between.
 A host tier large enough to keep everything must then reuse exactly what a device pool large
 enough to keep everything does.
 """
@@ -26,7 +26,7 @@ from sglang_hybrid.replay.trace import Request, Trace, write_trace
 from test_planner import message, request, text
 
 PROFILE = get_profile("qwen3.5-35b-a3b@rtx4090")
-DEVICE = 4
+DEVICE = 3
 ROOMY = 16  # device or host slots: more than the trace ever takes
 
 
@@ -87,9 +87,11 @@ def test_a_final_state_keeps_its_planner_record_through_the_host_tier_and_back()
     assert device_key.tier is Tier.DEVICE and record.uses == 1
 
 
-def test_without_a_host_tier_the_small_pool_loses_every_final_state():
+def test_without_a_host_tier_the_small_pool_loses_final_states_the_tier_keeps():
     outcomes = [o for _, (o,) in drive(interleaved_trace(), [policy(DEVICE, 0)])]
-    assert [o.restored_depth for o in outcomes] == [0] * 6
+    assert [o.restored_depth for o in outcomes[:3]] == [0] * 3
+    # Three final states and the prompt tails of later requests outnumber three slots.
+    assert [o.restored_depth for o in outcomes[3:]].count(0) >= 2
     assert not any(o.restored_from_host for o in outcomes)
 
 

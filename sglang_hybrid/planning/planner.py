@@ -251,10 +251,12 @@ class CheckpointPlanner:
         # Most valuable first: each admission without a free slot displaces the least valuable
         # held checkpoint, which is then no longer the bar for the next one.
         for checkpoint in sorted(valued, key=lambda c: (-c.value, c.depth)):
-            if checkpoint.purpose in (Purpose.PROMPT_TAIL, Purpose.HINT):
+            if checkpoint.purpose is Purpose.HINT:
                 admitted.append(checkpoint)
             elif free > 0:
-                if checkpoint.value > 0.0:
+                # A free slot costs nothing: the prompt tail takes one even unvalued, since it
+                # serves what no edit model predicts (a repeat, a re-rendered output).
+                if checkpoint.value > 0.0 or checkpoint.purpose is Purpose.PROMPT_TAIL:
                     admitted.append(checkpoint)
             elif held_values and checkpoint.value > held_values[0]:
                 admitted.append(checkpoint)
