@@ -97,6 +97,21 @@ COUNTERS: dict[str, tuple[str, str]] = {
 }
 
 
+def replica_labels(radix_cache_labels: dict[str, object]) -> dict[str, object]:
+    """The labels of SGLang's radix-cache collector, with this scheduler's data-parallel
+    replica as ``dp_rank``: SGLang labels its radix-cache series ``dp_rank=0`` on every
+    replica unless DP attention is on (``radix_cache_metric_labels``), so ``/metrics`` would
+    sum the replicas' pools, and each replica's pool is its own."""
+    from sglang.srt.layers.dp_attention import is_dp_attention_enabled
+    from sglang.srt.runtime_context import get_parallel
+
+    labels = dict(radix_cache_labels)
+    replica = get_parallel().dp_rank
+    if replica is not None and not is_dp_attention_enabled():
+        labels["dp_rank"] = replica
+    return labels
+
+
 class CheckpointMetricsCollector(CheckpointObserver, _StatLoggerDIMixin):
     """Counters and slot gauges of one scheduler rank's ``SemanticStateCache``.
 
@@ -193,7 +208,7 @@ class CheckpointMetricsCollector(CheckpointObserver, _StatLoggerDIMixin):
         if cache.metrics_collector is None:
             return None
         return cls(
-            labels=cache.metrics_collector.labels,
+            labels=replica_labels(cache.metrics_collector.labels),
             live_allocator=cache.req_to_token_pool.mamba_allocator,
         )
 

@@ -27,6 +27,7 @@ from sglang_hybrid.metrics import (
     SemanticOutputStreamer,
     _output_streamer_class,
     record_request_restore,
+    replica_labels,
 )
 
 # The labels SGLang's radix-cache collector carries on a single-rank server.
@@ -130,6 +131,16 @@ def test_no_collector_without_enable_metrics():
     driver = build("semantic")
     assert driver.cache.metrics_collector is None
     assert CheckpointMetricsCollector.for_cache(driver.cache) is None
+
+
+def test_each_data_parallel_replica_labels_its_own_series():
+    from sglang.srt.runtime_context import get_parallel
+
+    with get_parallel().override(dp_rank=None):  # a server without a DP controller
+        assert replica_labels(LABELS) == LABELS
+    # A replica of `--dp-size 2`: SGLang's own radix-cache labels say dp_rank 0 on both.
+    with get_parallel().override(dp_rank=1):
+        assert replica_labels(LABELS) == {**LABELS, "dp_rank": 1}
 
 
 def test_series_reach_sglangs_metrics_route_in_multiprocess_mode(tmp_path, monkeypatch):

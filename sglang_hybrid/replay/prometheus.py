@@ -30,15 +30,23 @@ def parse_cache_metrics(text: str) -> dict[str, float]:
     """The semantic cache's series in a Prometheus text exposition, by name without the
     ``sglang:semantic_`` prefix (counters keep ``_total``), each summed over its label sets
     (one per scheduler rank). Empty when the server exports none of them."""
+    return cache_metrics_per_label(text, None).get(None, {})
+
+
+def cache_metrics_per_label(text: str, label: Optional[str]) -> dict[Optional[str], dict[str, float]]:
+    """The cache's series as ``parse_cache_metrics`` reads them, summed per value of ``label``
+    (``dp_rank``: per data-parallel replica, over its tensor-parallel ranks); ``None`` sums
+    every label set into one entry, keyed None."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    values: dict[str, float] = {}
+    groups: dict[Optional[str], dict[str, float]] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             if sample.name.startswith(METRIC_PREFIX) and not sample.name.endswith("_created"):
                 name = sample.name[len(METRIC_PREFIX):]
+                values = groups.setdefault(None if label is None else sample.labels.get(label), {})
                 values[name] = values.get(name, 0.0) + sample.value
-    return values
+    return groups
 
 
 def scrape_cache_metrics(url: str) -> Optional[dict[str, float]]:
