@@ -37,12 +37,13 @@ def small_spec(**overrides) -> HybridPoolSpec:
 
 class ValueByDepth:
     """A ``CheckpointPlanning`` that plans nothing, values a checkpoint by its depth (deeper is
-    worth more) and records the moves it is told of."""
+    worth more) and records the moves and evictions it is told of."""
 
     evicts_by_value = True
 
     def __init__(self):
         self.moves: list[tuple[CheckpointId, CheckpointId]] = []
+        self.evictions: list[CheckpointId] = []
 
     def plan(self, request):
         return []
@@ -55,6 +56,9 @@ class ValueByDepth:
 
     def moved(self, old, new):
         self.moves.append((old, new))
+
+    def evicted(self, checkpoint):
+        self.evictions.append(checkpoint)
 
     def finished(self, rid, cached, prompt_len, end, free):
         pass

@@ -1,7 +1,8 @@
 """The semantic cache's eviction victim is the brute-force minimum of the planner's values.
 
 Victim selection remembers each node's checkpoint and depth, the planner remembers held values
-until its state changes, and one eviction call orders its candidates once. On random agent
+until its session's state changes, and one eviction call puts its candidates in a heap once,
+valuing a popped one again (a victim leaving raises its session's other values). On random agent
 sessions (appends, edits in the middle, repeats; message starts for the planner's anchors)
 through the real cache this checks that the victim is the one a scan computing everything
 afresh picks (the lowest value, ties to the least recently restored), and that a cache picking

@@ -71,6 +71,13 @@ def divergence(a: np.ndarray, b: np.ndarray) -> int:
     return int(differ[0]) if differ.size else n
 
 
+def latest_continuation(planner: CheckpointPlanner, session: str) -> CheckpointId:
+    """The generation-end checkpoint of ``session``'s latest finished request."""
+    held = [(record.created, checkpoint) for checkpoint, record in planner.records.items()
+            if record.session == session and record.purpose is Purpose.CONTINUATION]
+    return max(held)[1]
+
+
 class PrefixStore:
     """The tree as the planner sees it: KV of every earlier prompt + output[:-1], and the
     checkpoints taken (as the token prefixes they hold)."""
@@ -344,8 +351,8 @@ def test_full_pool_admits_only_checkpoints_worth_more_than_the_least_valuable_he
         for name, calls in sessions.items():
             store.serve(name, *calls[step])
     held_values = [planner.value(slot, r.depth) for slot, r in planner.records.items()]
-    continuation_values = [planner.value(s.continuation, planner.records[s.continuation].depth)
-                           for s in planner.sessions.values()]
+    continuation_values = [planner.value(c, planner.records[c].depth)
+                           for c in (latest_continuation(planner, name) for name in planner.sessions)]
     assert min(continuation_values) > 0.0
     newcomer = last_n_session(2, tag=50_000)[1]
     store.budget = len(store.checkpoints)  # the pool is full
@@ -357,19 +364,38 @@ def test_full_pool_admits_only_checkpoints_worth_more_than_the_least_valuable_he
     assert Purpose.PROMPT_TAIL in {c.purpose for c in plan.checkpoints}
 
 
+def test_a_continuation_is_worth_what_it_saves_over_the_prompt_tail():
+    """An append that loses the continuation state restores from the prompt tail: the
+    continuation is worth at most the tokens between the two, and once it is gone the tail
+    takes the append's share, worth most of the prompt."""
+    planner = CheckpointPlanner()
+    store = PrefixStore(planner)
+    history = [message("system", text(1, 200)), message("user", text(2, 40))]
+    for turn in range(3):
+        prompt, output = request(history, text(10 + turn, 12))
+        store.serve("appends", prompt, output)
+        history += [message("assistant", text(10 + turn, 12)), message("user", text(20 + turn, 30))]
+    continuation = latest_continuation(planner, "appends")
+    end = planner.records[continuation].depth
+    [tail] = [c for c, r in planner.records.items() if r.purpose is Purpose.PROMPT_TAIL and r.depth == len(prompt) - 1]
+    saved_over_tail = end - (len(prompt) - 1)
+    assert 0.0 < planner.value(continuation, end) <= saved_over_tail
+    planner.forget([continuation])
+    assert planner.value(tail, len(prompt) - 1) > 10 * saved_over_tail
+
+
 def test_superseded_and_bypassed_checkpoints_are_worth_nothing():
     calls = last_n_session(8)
     planner = CheckpointPlanner()
     store = PrefixStore(planner)
     for prompt, output in calls[:-1]:
         store.serve("swe", prompt, output)
-    session = planner.sessions["swe"]
+    current = latest_continuation(planner, "swe")
     old_continuations = [slot for slot, record in planner.records.items()
-                         if record.purpose is Purpose.CONTINUATION and slot != session.continuation]
+                         if record.purpose is Purpose.CONTINUATION and slot != current]
     assert old_continuations
     for slot in old_continuations:
         assert planner.value(slot, planner.records[slot].depth) == 0.0
-    current = session.continuation
     assert planner.value(current, planner.records[current].depth) > 0.0
     # A slot the planner does not know, or knows at another depth, is evicted first.
     assert planner.value(CheckpointId.device(10_000), 5) == 0.0

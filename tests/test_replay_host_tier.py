@@ -78,7 +78,7 @@ def test_a_final_state_keeps_its_planner_record_through_the_host_tier_and_back()
     final_depth = len(requests[0].input_ids) + len(requests[0].output_ids) - 1
     [(host_key, record)] = [(key, r) for key, r in planner.records.items()
                             if r.session == "a" and r.purpose is Purpose.CONTINUATION]
-    assert host_key.tier is Tier.HOST and planner.sessions["a"].continuation == host_key
+    assert host_key.tier is Tier.HOST and host_key in planner.sessions["a"].on_path
     assert planner.value(host_key, final_depth) > 0.0
     _, (outcome,) = next(steps)
     assert outcome.restored_from_host and outcome.restored_depth == final_depth

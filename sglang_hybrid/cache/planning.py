@@ -78,6 +78,10 @@ class CheckpointPlanning(Protocol):
     def moved(self, old: CheckpointId, new: CheckpointId) -> None:
         """The cache moved a checkpoint between its tiers."""
 
+    def evicted(self, checkpoint: CheckpointId) -> None:
+        """The cache evicted ``checkpoint`` (no host copy kept): the values of the checkpoints
+        left can change before the next victim is picked."""
+
     def finished(
         self,
         rid: str,
@@ -88,7 +92,9 @@ class CheckpointPlanning(Protocol):
     ) -> None:
         """Request ``rid`` finished and left ``cached`` in the tree (its prompt of
         ``prompt_len`` tokens and the output its final state covers); ``end`` holds the state
-        after all of it; ``free`` are the slots of both tiers that hold no checkpoint now."""
+        after all of it; ``free`` are the slots of both tiers that hold no checkpoint now
+        (whatever emptied them: an eviction, the KV's eviction, a capture that never reached
+        the tree)."""
 
     def released(self, rid: str) -> None:
         """Request ``rid`` left the cache (finished or aborted)."""

@@ -103,6 +103,10 @@ class SemanticStateCache(UnifiedRadixCache):
         if self.planning is not None:
             self.planning.moved(old, new)
 
+    def checkpoint_evicted(self, checkpoint: CheckpointId) -> None:
+        if self.planning is not None:
+            self.planning.evicted(checkpoint)
+
     def free_checkpoints(self) -> list[CheckpointId]:
         """The slots of both tiers that hold no checkpoint."""
         free = [CheckpointId.device(slot) for slot in self.checkpoint_pool.free_slot_ids()]

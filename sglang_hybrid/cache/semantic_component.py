@@ -14,6 +14,8 @@ its node's KV. This one keeps ``StateCheckpointPool`` slots and
 
 from __future__ import annotations
 
+import heapq
+
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Optional
 
@@ -269,6 +271,7 @@ class SemanticMambaComponent(MambaComponent):
             del frees[next(i for i, v in enumerate(frees) if v is device_slot)]
         else:
             self.cache.stats.evicted += 1
+            self.cache.checkpoint_evicted(CheckpointId.device(device_slot))
         self.tree_core._update_evictable_leaf_sets(victim)
         return None
 
@@ -276,32 +279,38 @@ class SemanticMambaComponent(MambaComponent):
         """The device victim and its value (None when eviction follows recency): the unlocked
         checkpoint the planning values least, ties to the least recently restored.
 
-        Within one ``SemanticStateCache.evict_checkpoints`` call nothing but its own victims
-        leaves the device pool and no value changes (a demotion's ``moved`` renames the
-        victim's record only), so the first pick orders every candidate once and the
-        following picks take the next in that order."""
+        Within one ``SemanticStateCache.evict_checkpoints`` call the first pick values every
+        candidate once, into a heap. A victim leaving can only raise the values of the
+        checkpoints left (a shallower one of its session becomes the deepest for its restore
+        points), so a popped entry is valued again: if it rose it goes back in, else no entry
+        below it can be worth less now and it is the victim."""
         planning = self.cache.eviction_valuation
         lru = self.tree_core.lru_lists[MAMBA]
         if planning is None:
             return lru.get_lru_no_lock(), None
         if self.victim_order is None:
             self.victim_order = self._ordered_candidates(planning)
-        while self.victim_order:
-            value, _, node = self.victim_order.pop()
-            if node.component_data[MAMBA].value is not None and node.component_data[MAMBA].lock_ref == 0:
-                return node, value
+        order = self.victim_order
+        while order:
+            value, rank, node = heapq.heappop(order)
+            if node.component_data[MAMBA].value is None or node.component_data[MAMBA].lock_ref != 0:
+                continue
+            now = planning.value(*held_checkpoint(node))
+            if now > value:
+                heapq.heappush(order, (now, rank, node))
+                continue
+            return node, value
         return None, None
 
     def _ordered_candidates(self, planning) -> list[tuple[float, int, "UnifiedTreeNode"]]:
-        """(value, recency rank, node) of the unlocked device checkpoints, the victim last."""
+        """A heap of (value, recency rank, node) of the unlocked device checkpoints: the
+        lowest value first, the least recent (rank 0) first among equals."""
         lru = self.tree_core.lru_lists[MAMBA]
         node, rank, order = lru.get_lru_no_lock(), 0, []
         while node is not None:
-            checkpoint, depth = held_checkpoint(node)
-            order.append((planning.value(checkpoint, depth), rank, node))
+            order.append((planning.value(*held_checkpoint(node)), rank, node))
             node, rank = lru.get_prev_no_lock(node), rank + 1
-        # Lowest value first, the least recent (rank 0) first among equals; popped from the end.
-        order.sort(key=lambda entry: (entry[0], entry[1]), reverse=True)
+        heapq.heapify(order)
         return order
 
 

@@ -103,6 +103,10 @@ class AnchorPlanning:
         if self.planner is not None:
             self.planner.move_record(old, new)
 
+    def evicted(self, checkpoint: CheckpointId) -> None:
+        if self.planner is not None:
+            self.planner.forget([checkpoint])
+
     def finished(
         self,
         rid: str,

@@ -114,9 +114,6 @@ class CheckpointPlanner:
             restored.uses += 1
             if restored.purpose is Purpose.SHARED_PATH and restored.session != ctx.session:
                 self.stream.shared_uses += 1
-        # The previous continuation state was just consumed (or bypassed by an edit); the one
-        # this request leaves replaces it once recorded.
-        session.continuation = None
         self._follow(ctx, session)
 
         index = AnchorIndex(ctx.anchors, prompt_len)
@@ -240,31 +237,48 @@ class CheckpointPlanner:
         return shared
 
     def _admit(self, candidates: list[tuple[int, Purpose]], ctx: RequestContext) -> tuple[PlannedCheckpoint, ...]:
-        valued = [
-            PlannedCheckpoint(depth, purpose, checkpoint_value(self._new_record(ctx.session, depth, purpose), None,
-                                                              self.sessions, self.stream))
-            for depth, purpose in candidates
-        ]
+        """The candidates worth their slot, most valuable first. The session's own candidates
+        are valued beside the own ones already admitted (two checkpoints before one restore
+        point save what the deeper one saves, once); those for other sessions, on their own."""
         free = ctx.free_slots
         held_values = sorted(self.value(checkpoint, record.depth) for checkpoint, record in self.records.items())
-        admitted = []
-        # Most valuable first: each admission without a free slot displaces the least valuable
-        # held checkpoint, which is then no longer the bar for the next one.
-        for checkpoint in sorted(valued, key=lambda c: (-c.value, c.depth)):
+        shared = sorted((PlannedCheckpoint(depth, purpose, self._candidate_value(ctx.session, depth, purpose, ()))
+                         for depth, purpose in candidates if purpose in SHARED_PURPOSES),
+                        key=lambda c: (c.value, -c.depth))
+        own = [(depth, purpose) for depth, purpose in candidates if purpose not in SHARED_PURPOSES]
+        admitted: list[PlannedCheckpoint] = []
+        own_valued: list[PlannedCheckpoint] = []
+        while own or shared:
+            if own and not own_valued:
+                planned = [c.depth for c in admitted if c.purpose not in SHARED_PURPOSES]
+                own_valued = sorted((PlannedCheckpoint(depth, purpose, self._candidate_value(ctx.session, depth, purpose, planned))
+                                     for depth, purpose in own), key=lambda c: (c.value, -c.depth))
+            if own_valued and (not shared or (own_valued[-1].value, -own_valued[-1].depth) >= (shared[-1].value, -shared[-1].depth)):
+                checkpoint = own_valued.pop()
+                own.remove((checkpoint.depth, checkpoint.purpose))
+            else:
+                checkpoint = shared.pop()
             if checkpoint.purpose is Purpose.HINT:
-                admitted.append(checkpoint)
+                pass
             elif free > 0:
                 # A free slot costs nothing: the prompt tail takes one even unvalued, since it
                 # serves what no edit model predicts (a repeat, a re-rendered output).
-                if checkpoint.value > 0.0 or checkpoint.purpose is Purpose.PROMPT_TAIL:
-                    admitted.append(checkpoint)
+                if checkpoint.value <= 0.0 and checkpoint.purpose is not Purpose.PROMPT_TAIL:
+                    continue
             elif held_values and checkpoint.value > held_values[0]:
-                admitted.append(checkpoint)
+                # Each admission without a free slot displaces the least valuable held
+                # checkpoint, which is then no longer the bar for the next one.
                 held_values.pop(0)
             else:
                 continue
+            admitted.append(checkpoint)
             free -= 1
+            if checkpoint.purpose not in SHARED_PURPOSES:
+                own_valued = []  # the own candidates left are valued again beside it
         return tuple(sorted(admitted, key=lambda c: c.depth))
+
+    def _candidate_value(self, session: str, depth: int, purpose: Purpose, planned: list[int]) -> float:
+        return checkpoint_value(self._new_record(session, depth, purpose), None, self.sessions, self.stream, planned)
 
     # ---- bookkeeping after a request ----
 
@@ -288,8 +302,6 @@ class CheckpointPlanner:
         if purpose is Purpose.SHARED_PATH:
             self.stream.shared_taken += 1
         owner.on_path[checkpoint] = depth
-        if purpose is Purpose.CONTINUATION:
-            owner.continuation = checkpoint
 
     def _new_record(self, session: str, depth: int, purpose: Purpose) -> Record:
         """The record of a checkpoint ``session``'s latest request takes (or would take)."""
@@ -310,8 +322,6 @@ class CheckpointPlanner:
         session = self.sessions[record.session]
         if old in session.on_path:
             session.on_path[new] = session.on_path.pop(old)
-        if session.continuation == old:
-            session.continuation = new
 
     def forget(self, free: Iterable[CheckpointId]) -> None:
         """Drop what the planner knows about slots the cache reports free (evicted, or a
@@ -323,11 +333,13 @@ class CheckpointPlanner:
         record = self.records.pop(checkpoint, None)
         if record is None:
             return
-        self._held_values.clear()
         session = self.sessions[record.session]
         session.on_path.pop(checkpoint, None)
-        if session.continuation == checkpoint:
-            session.continuation = None
+        # Of the values held, only those of the session's checkpoints on its path read the
+        # others there: an eviction re-values a handful, not the pool.
+        self._held_values.pop(checkpoint, None)
+        for other in session.on_path:
+            self._held_values.pop(other, None)
 
     # ---- valuation ----
 

@@ -117,7 +117,6 @@ class Session:
     edits: int = 0  # of those, requests that diverged before the earlier request's end
     gap_total: int = 0  # requests of any session between consecutive requests of this one
     base_depth: int = 0  # shared-prefix depth the session started from
-    continuation: Optional[CheckpointId] = None
     # Checkpoint -> depth of the session's checkpoints on its current path: those before its last
     # edit point. The others can only serve a request that undoes an edit.
     on_path: dict[CheckpointId, int] = field(default_factory=dict)

@@ -6,22 +6,26 @@ none writes any.
 from __future__ import annotations
 
 from bisect import bisect_right
-from typing import Mapping, Optional
+from typing import Mapping, Optional, Sequence
 
 from sglang_hybrid.cache.planning import CheckpointId
 from sglang_hybrid.planning.state import PRIOR_EDITS, SHARED_PURPOSES, Purpose, Record, Session, StreamStats
 
 
 def checkpoint_value(
-    record: Record, checkpoint: Optional[CheckpointId], sessions: Mapping[str, Session], stream: StreamStats
+    record: Record, checkpoint: Optional[CheckpointId], sessions: Mapping[str, Session], stream: StreamStats,
+    planned: Sequence[int] = (),
 ) -> float:
     """Expected recomputed tokens saved by ``record``'s checkpoint: held in ``checkpoint``, or a
-    candidate when ``checkpoint`` is None."""
+    candidate when ``checkpoint`` is None, beside the session's checkpoints at depths
+    ``planned`` (already admitted for the same request)."""
     session = sessions[record.session]
-    return own_value(session, record, checkpoint, stream) + followed_value(session, record, sessions, stream)
+    return (own_value(session, record, checkpoint, stream, planned)
+            + followed_value(session, record, sessions, stream))
 
 
-def own_value(session: Session, record: Record, checkpoint: Optional[CheckpointId], stream: StreamStats) -> float:
+def own_value(session: Session, record: Record, checkpoint: Optional[CheckpointId], stream: StreamStats,
+              planned: Sequence[int] = ()) -> float:
     """What the checkpoint saves the requests it was taken for: its session's next ones,
     or for a shared one, any session's."""
     depth, purpose, created = record.depth, record.purpose, record.created
@@ -36,16 +40,19 @@ def own_value(session: Session, record: Record, checkpoint: Optional[CheckpointI
         return record.span * min(1.0, rate * gap)
     if checkpoint is not None and checkpoint not in session.on_path:
         return 0.0
-    edit = edit_probability(session, stream)
-    probability = edit_credit(session, depth, checkpoint)
-    if checkpoint is not None and checkpoint == session.continuation:
-        probability += 1.0 - edit
+    others = sorted([*(d for held, d in session.on_path.items() if held != checkpoint), *planned])
+    probability = restore_credit(session, depth, others, stream)
     if purpose is Purpose.HINT:
         # The client says an edit will land here: trust it as much as the session's edits.
-        probability = max(probability, edit)
+        probability = max(probability, edit_probability(session, stream))
     if probability <= 0.0:
         return 0.0
-    return probability * alive(session, gap, stream.clock) * max(depth - session.base_depth, 1)
+    saved = depth - session.base_depth
+    if purpose is Purpose.CONTINUATION:
+        # A request that only appends falls back to the session's next shallower checkpoint
+        # (its prompt tail, mostly): the continuation saves only the tokens in between.
+        saved = depth - max([session.base_depth, *(d for d in others if d < depth)])
+    return probability * alive(session, gap, stream.clock) * max(saved, 1)
 
 
 def followed_value(session: Session, record: Record, sessions: Mapping[str, Session], stream: StreamStats) -> float:
@@ -64,12 +71,16 @@ def followed_value(session: Session, record: Record, sessions: Mapping[str, Sess
     return min(probability, 1.0) * max(record.depth - session.base_depth, 1)
 
 
-def edit_credit(session: Session, depth: int, checkpoint: Optional[CheckpointId]) -> float:
-    """P(the next edit restores from this checkpoint): the predicted edit points for which
-    it is the deepest of the session's checkpoints at or before the point."""
-    others = sorted(d for s, d in session.on_path.items() if s != checkpoint)
+def restore_credit(session: Session, depth: int, others: list[int], stream: StreamStats) -> float:
+    """P(the session's next request restores from a checkpoint at ``depth``, ``others`` (sorted)
+    being the session's other checkpoints on its path): the restore points -- the predicted
+    edit points, and the end of the latest sequence for a request that only appends -- for
+    which it is the deepest checkpoint at or before the point."""
+    points = dict(session.predictions)
+    end = int(session.sequence.shape[0])
+    points[end] = points.get(end, 0.0) + 1.0 - edit_probability(session, stream)
     credit = 0.0
-    for point, probability in session.predictions.items():
+    for point, probability in points.items():
         if depth > point:
             continue
         index = bisect_right(others, point) - 1
