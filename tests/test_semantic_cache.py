@@ -267,6 +267,7 @@ def swe_agent_prompts():
     return prompts
 
 
+@pytest.mark.skipif(not SWE_AGENT_TRAJ.exists(), reason="../shared/data not present")
 def test_edit_then_match_on_swe_agent_trace_restores_deepest_checkpoint_before_divergence(
     swe_agent_prompts,
 ):
