@@ -344,35 +344,56 @@ class SemanticStateCache(UnifiedRadixCache):
         if not staged or self.disable:
             return
         inserted = req.kv.cache_protected_len
-        keep: list[tuple[int, torch.Tensor]] = []
-        token_ids = req.full_untruncated_fill_ids
-        for depth, slot in sorted(staged, key=lambda item: item[0]):
-            if depth > inserted:
-                keep.append((depth, slot))
-                continue
-            self._attach_checkpoint(req, token_ids, depth, slot)
+        ready = sorted((item for item in staged if item[0] <= inserted), key=lambda item: item[0])
+        keep = [item for item in staged if item[0] > inserted]
         if keep:
             self._staged[req.rid] = keep
         else:
             del self._staged[req.rid]
+        if ready:
+            self._attach_checkpoints(req, ready)
 
-    def _attach_checkpoint(self, req: "Req", token_ids, depth: int, slot: torch.Tensor) -> None:
+    def _attach_checkpoints(self, req: "Req", ready: list[tuple[int, torch.Tensor]]) -> None:
+        """Attach each (depth, slot) of ``ready`` (by depth, all within what ``req`` has
+        inserted) to the node ending at its depth, splitting the node there: one walk down
+        the request's path for all of them.
+
+        SGLang's insert walks from the root, so attaching a request's ~100 message-start
+        checkpoints one insert each cost ~100 walks of ~100 nodes (tens of ms per request
+        on the scheduler thread). The path is already in the tree, owned by this request's
+        insert, so the walk only splits nodes and commits the slot as the insert's last
+        step does (``commit_insert_component_data``).
+        """
+        tree = self.tree_core
+        deepest = ready[-1][0]
         key = RadixKey(
-            token_ids[:depth],
+            req.full_untruncated_fill_ids[:deepest],
             req.extra_key,
-            is_bigram=self.tree_core.is_eagle,
+            is_bigram=tree.is_eagle,
             cache_salt=req.cache_salt,
         )
-        values = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx, :depth].to(
-            dtype=torch.int64, copy=True
-        )
-        # The KV of [0, depth) is already in the tree (this request's row points at the
-        # tree's indices), so prev_prefix_len=depth keeps the insert from freeing any of
-        # it as duplicates; the walk only splits the node at ``depth`` and attaches.
-        result = self.insert(
-            InsertParams(
-                key=key,
-                value=values,
+        # A bigram key (EAGLE) is one unit shorter than the tokens it covers.
+        shift = deepest - len(key)
+        node, walked = tree.root_node, 0
+        actions: list = []
+        for depth, slot in ready:
+            target = depth - shift
+            if target <= 0:  # a one-token bigram key holds nothing to attach to
+                self.checkpoint_pool.free(slot)
+                continue
+            while walked < target:
+                child = node.children[key.child_key_at(walked, self.page_size)]
+                if child.key.match_at(key, walked, self.page_size) < min(len(child.key), target - walked):
+                    raise RuntimeError(
+                        f"request {req.rid}'s path leaves the tree before depth {depth}, which "
+                        f"its insert covered ({req.kv.cache_protected_len} tokens)"
+                    )
+                if walked + len(child.key) > target:
+                    child, action = tree._split_node(child.key, child, target - walked)
+                    if action is not None:
+                        actions.append(action)
+                node, walked = child, walked + len(child.key)
+            params = InsertParams(
                 mamba_value=slot,
                 prev_prefix_len=depth,
                 inserted_len=depth,
@@ -380,9 +401,14 @@ class SemanticStateCache(UnifiedRadixCache):
                 session_id=req.session_id,
                 rotation_base=req.kv_rotation_base,
             )
-        )
-        if result.mamba_exist:
-            self.checkpoint_pool.free(slot)
+            result = InsertResult(prefix_len=target, last_device_node=node.id)
+            for component in tree.components:
+                component.commit_insert_component_data(
+                    node=node, is_new_leaf=False, params=params, result=result, cache_actions=actions
+                )
+            if result.mamba_exist:
+                self.checkpoint_pool.free(slot)
+        self._apply_cache_actions(actions)
 
     def on_release(self, req: "Req", *, checkpointed: bool) -> None:
         for _, slot in self._staged.pop(req.rid, ()):
