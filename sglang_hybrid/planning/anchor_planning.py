@@ -20,6 +20,7 @@ chunk.
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from typing import Optional, Sequence
 
 import numpy as np
@@ -133,7 +134,12 @@ def _spaced(wanted: list[tuple[int, Purpose, float]]) -> list[tuple[int, Purpose
     """``wanted`` by depth, without a depth within ``MIN_CAPTURE_SPACING`` of one worth more
     (of equal worth: of a shallower one)."""
     kept: list[tuple[int, Purpose, float]] = []
+    kept_depths: list[int] = []  # ascending
     for candidate in sorted(wanted, key=lambda item: (-item[2], item[0])):
-        if all(abs(candidate[0] - depth) >= MIN_CAPTURE_SPACING for depth, _, _ in kept):
+        depth = candidate[0]
+        at = bisect_left(kept_depths, depth)
+        near = kept_depths[max(at - 1, 0): at + 1]
+        if all(abs(depth - other) >= MIN_CAPTURE_SPACING for other in near):
             kept.append(candidate)
+            kept_depths.insert(at, depth)
     return sorted(kept, key=lambda item: item[0])

@@ -43,6 +43,7 @@ so tensor-parallel ranks running their own planner agree.
 
 from __future__ import annotations
 
+import heapq
 from typing import Iterable, Optional
 
 import numpy as np
@@ -57,7 +58,7 @@ from sglang_hybrid.planning.state import (
     PRIOR_EDITS, SHARED_PURPOSES, CheckpointPlan, PlannedCheckpoint, Purpose, Record, RequestContext, Session,
     StreamStats,
 )
-from sglang_hybrid.planning.valuation import checkpoint_value, edit_probability
+from sglang_hybrid.planning.valuation import RestoreShares, checkpoint_value, edit_probability, restore_shares
 
 class CheckpointPlanner:
     """Plans checkpoints per request and values held checkpoints for eviction.
@@ -87,9 +88,11 @@ class CheckpointPlanner:
         # Stream-wide edit model: the prior for sessions with little history.
         self.global_model = EditModel(model_capacity, learning_rate)
         self._producers = PrefixProducers()
-        # Held checkpoint -> its value, until the planner's state next changes: an eviction
-        # scan values every held checkpoint, and consecutive evictions see the same state.
-        self._held_values: dict[CheckpointId, float] = {}
+        # Session -> how its on-path checkpoints divide its restore points, until its
+        # checkpoints, predictions or sequence change: valuing the held checkpoints (every
+        # admission against a full pool, every eviction call) then costs a few operations
+        # per checkpoint, whatever the number of checkpoints a session holds.
+        self._shares: dict[str, RestoreShares] = {}
 
     @property
     def clock(self) -> int:
@@ -99,7 +102,6 @@ class CheckpointPlanner:
     # ---- planning ----
 
     def plan(self, ctx: RequestContext) -> CheckpointPlan:
-        self._held_values.clear()
         self.stream.clock += 1
         prompt_len = int(ctx.prompt_ids.shape[0])
         session = self.sessions.get(ctx.session)
@@ -130,6 +132,7 @@ class CheckpointPlanner:
         # Until the request finishes, its prompt is what the session's next request follows.
         session.sequence, session.index = ctx.prompt_ids, index
         session.last_clock = self.clock
+        self._shares.pop(ctx.session, None)
 
         candidates = self._candidates(ctx, session, prompt_len, own_prefix)
         return CheckpointPlan(self._admit(candidates, ctx))
@@ -241,7 +244,7 @@ class CheckpointPlanner:
         are valued beside the own ones already admitted (two checkpoints before one restore
         point save what the deeper one saves, once); those for other sessions, on their own."""
         free = ctx.free_slots
-        held_values = sorted(self.value(checkpoint, record.depth) for checkpoint, record in self.records.items())
+        held_values: Optional[list[float]] = None  # a heap, valued once the free slots are gone
         shared = sorted((PlannedCheckpoint(depth, purpose, self._candidate_value(ctx.session, depth, purpose, ()))
                          for depth, purpose in candidates if purpose in SHARED_PURPOSES),
                         key=lambda c: (c.value, -c.depth))
@@ -265,12 +268,15 @@ class CheckpointPlanner:
                 # serves what no edit model predicts (a repeat, a re-rendered output).
                 if checkpoint.value <= 0.0 and checkpoint.purpose is not Purpose.PROMPT_TAIL:
                     continue
-            elif held_values and checkpoint.value > held_values[0]:
+            else:
+                if held_values is None:
+                    held_values = [self.value(held, record.depth) for held, record in self.records.items()]
+                    heapq.heapify(held_values)
+                if not held_values or checkpoint.value <= held_values[0]:
+                    continue
                 # Each admission without a free slot displaces the least valuable held
                 # checkpoint, which is then no longer the bar for the next one.
-                held_values.pop(0)
-            else:
-                continue
+                heapq.heappop(held_values)
             admitted.append(checkpoint)
             free -= 1
             if checkpoint.purpose not in SHARED_PURPOSES:
@@ -288,20 +294,20 @@ class CheckpointPlanner:
         owner = self.sessions.get(session)
         if owner is None:
             raise KeyError(f"session {session!r} was never planned")
-        self._held_values.clear()
         owner.sequence, owner.index = sequence, AnchorIndex(anchors, int(sequence.shape[0]))
+        self._shares.pop(session, None)
 
     def record_checkpoint(self, checkpoint: CheckpointId, session: str, depth: int, purpose: Purpose) -> None:
         """``checkpoint`` now holds ``session``'s checkpoint at ``depth`` (taken for ``purpose``)."""
         owner = self.sessions.get(session)
         if owner is None:
             raise KeyError(f"session {session!r} was never planned")
-        self._held_values.clear()
         self._drop_record(checkpoint)
         self.records[checkpoint] = self._new_record(session, depth, purpose)
         if purpose is Purpose.SHARED_PATH:
             self.stream.shared_taken += 1
         owner.on_path[checkpoint] = depth
+        self._shares.pop(session, None)
 
     def _new_record(self, session: str, depth: int, purpose: Purpose) -> Record:
         """The record of a checkpoint ``session``'s latest request takes (or would take)."""
@@ -312,8 +318,8 @@ class CheckpointPlanner:
 
     def move_record(self, old: CheckpointId, new: CheckpointId) -> None:
         """The checkpoint held in ``old`` now sits in ``new`` (the cache moved it
-        between its tiers): its record -- uses, age, place on its session's path -- follows."""
-        self._held_values.clear()
+        between its tiers): its record -- uses, age, place on its session's path -- follows
+        (its depth, so what its session's restore shares are, does not change)."""
         record = self.records.pop(old, None)
         self._drop_record(new)
         if record is None:
@@ -333,13 +339,8 @@ class CheckpointPlanner:
         record = self.records.pop(checkpoint, None)
         if record is None:
             return
-        session = self.sessions[record.session]
-        session.on_path.pop(checkpoint, None)
-        # Of the values held, only those of the session's checkpoints on its path read the
-        # others there: an eviction re-values a handful, not the pool.
-        self._held_values.pop(checkpoint, None)
-        for other in session.on_path:
-            self._held_values.pop(other, None)
+        if self.sessions[record.session].on_path.pop(checkpoint, None) is not None:
+            self._shares.pop(record.session, None)
 
     # ---- valuation ----
 
@@ -351,7 +352,10 @@ class CheckpointPlanner:
         record = self.records.get(checkpoint)
         if record is None or record.depth != depth:
             return 0.0
-        value = self._held_values.get(checkpoint)
-        if value is None:
-            value = self._held_values[checkpoint] = checkpoint_value(record, checkpoint, self.sessions, self.stream)
-        return value
+        session = self.sessions[record.session]
+        shares = None
+        if record.purpose not in SHARED_PURPOSES and checkpoint in session.on_path:
+            shares = self._shares.get(record.session)
+            if shares is None:
+                shares = self._shares[record.session] = restore_shares(session, session.on_path.values())
+        return checkpoint_value(record, checkpoint, self.sessions, self.stream, shares=shares)

@@ -5,8 +5,9 @@ none writes any.
 
 from __future__ import annotations
 
-from bisect import bisect_right
-from typing import Mapping, Optional, Sequence
+from bisect import bisect_left, bisect_right
+from dataclasses import dataclass
+from typing import Iterable, Mapping, Optional, Sequence
 
 from sglang_hybrid.cache.planning import CheckpointId
 from sglang_hybrid.planning.state import PRIOR_EDITS, SHARED_PURPOSES, Purpose, Record, Session, StreamStats
@@ -14,18 +15,19 @@ from sglang_hybrid.planning.state import PRIOR_EDITS, SHARED_PURPOSES, Purpose, 
 
 def checkpoint_value(
     record: Record, checkpoint: Optional[CheckpointId], sessions: Mapping[str, Session], stream: StreamStats,
-    planned: Sequence[int] = (),
+    planned: Sequence[int] = (), shares: Optional["RestoreShares"] = None,
 ) -> float:
     """Expected recomputed tokens saved by ``record``'s checkpoint: held in ``checkpoint``, or a
     candidate when ``checkpoint`` is None, beside the session's checkpoints at depths
-    ``planned`` (already admitted for the same request)."""
+    ``planned`` (already admitted for the same request). ``shares``: the session's
+    ``restore_shares`` over those depths, when the caller keeps them."""
     session = sessions[record.session]
-    return (own_value(session, record, checkpoint, stream, planned)
+    return (own_value(session, record, checkpoint, stream, planned, shares)
             + followed_value(session, record, sessions, stream))
 
 
 def own_value(session: Session, record: Record, checkpoint: Optional[CheckpointId], stream: StreamStats,
-              planned: Sequence[int] = ()) -> float:
+              planned: Sequence[int] = (), shares: Optional["RestoreShares"] = None) -> float:
     """What the checkpoint saves the requests it was taken for: its session's next ones,
     or for a shared one, any session's."""
     depth, purpose, created = record.depth, record.purpose, record.created
@@ -40,18 +42,20 @@ def own_value(session: Session, record: Record, checkpoint: Optional[CheckpointI
         return record.span * min(1.0, rate * gap)
     if checkpoint is not None and checkpoint not in session.on_path:
         return 0.0
-    others = sorted([*(d for held, d in session.on_path.items() if held != checkpoint), *planned])
-    probability = restore_credit(session, depth, others, stream)
+    if shares is None:
+        shares = restore_shares(session, [*session.on_path.values(), *planned, depth])
+    edit = edit_probability(session, stream)
+    probability = shares.probability(depth, edit)
     if purpose is Purpose.HINT:
         # The client says an edit will land here: trust it as much as the session's edits.
-        probability = max(probability, edit_probability(session, stream))
+        probability = max(probability, edit)
     if probability <= 0.0:
         return 0.0
     saved = depth - session.base_depth
     if purpose is Purpose.CONTINUATION:
         # A request that only appends falls back to the session's next shallower checkpoint
         # (its prompt tail, mostly): the continuation saves only the tokens in between.
-        saved = depth - max([session.base_depth, *(d for d in others if d < depth)])
+        saved = depth - max(session.base_depth, shares.below(depth))
     return probability * alive(session, gap, stream.clock) * max(saved, 1)
 
 
@@ -71,22 +75,37 @@ def followed_value(session: Session, record: Record, sessions: Mapping[str, Sess
     return min(probability, 1.0) * max(record.depth - session.base_depth, 1)
 
 
-def restore_credit(session: Session, depth: int, others: list[int], stream: StreamStats) -> float:
-    """P(the session's next request restores from a checkpoint at ``depth``, ``others`` (sorted)
-    being the session's other checkpoints on its path): the restore points -- the predicted
-    edit points, and the end of the latest sequence for a request that only appends -- for
-    which it is the deepest checkpoint at or before the point."""
-    points = dict(session.predictions)
-    end = int(session.sequence.shape[0])
-    points[end] = points.get(end, 0.0) + 1.0 - edit_probability(session, stream)
-    credit = 0.0
-    for point, probability in points.items():
-        if depth > point:
-            continue
-        index = bisect_right(others, point) - 1
-        if index < 0 or others[index] <= depth:
-            credit += probability
-    return credit
+@dataclass(frozen=True)
+class RestoreShares:
+    """How a session's checkpoint depths divide its next restore points -- the predicted
+    edit points, and the end of its latest sequence for a request that only appends --
+    each point going to the deepest depth at or before it. A function of the depths, the
+    predictions and the sequence alone, so a caller may keep it until one of them changes."""
+
+    predicted: dict[int, float]  # depth -> P of the predicted edit points it serves
+    end: Optional[int]  # the depth serving the end, if any
+    depths: tuple[int, ...]  # the distinct depths, ascending
+
+    def probability(self, depth: int, edit_probability: float) -> float:
+        """P(the session's next request restores from a checkpoint at ``depth``)."""
+        appends = 1.0 - edit_probability if depth == self.end else 0.0
+        return self.predicted.get(depth, 0.0) + appends
+
+    def below(self, depth: int) -> int:
+        """The deepest depth shallower than ``depth`` (0 if none)."""
+        index = bisect_left(self.depths, depth) - 1
+        return self.depths[index] if index >= 0 else 0
+
+
+def restore_shares(session: Session, depths: Iterable[int]) -> RestoreShares:
+    ordered = tuple(sorted(set(depths)))
+    predicted: dict[int, float] = {}
+    for point, probability in session.predictions.items():
+        index = bisect_right(ordered, point) - 1
+        if index >= 0:
+            predicted[ordered[index]] = predicted.get(ordered[index], 0.0) + probability
+    index = bisect_right(ordered, int(session.sequence.shape[0])) - 1
+    return RestoreShares(predicted, ordered[index] if index >= 0 else None, ordered)
 
 
 def edit_probability(session: Session, stream: StreamStats) -> float:
