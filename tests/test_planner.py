@@ -16,8 +16,10 @@ import textwrap
 from typing import Optional
 
 import numpy as np
-from sglang_hybrid.anchors.detector import AnchorDetector
+from sglang_hybrid.anchors.detector import AnchorDetector, AnchorKind, Role
 from sglang_hybrid.anchors.hints import validate_hints
+from sglang_hybrid.planning.addresses import FROM_END, AnchorIndex
+from sglang_hybrid.planning.edit_model import EditModel
 from sglang_hybrid.planning.planner import CheckpointPlanner
 from sglang_hybrid.planning.state import Purpose, RequestContext
 from sglang_hybrid.anchors.special_tokens import QWEN3_NEWLINE_ID, QWEN3_ROLE_IDS, QWEN3_SPECIAL_IDS
@@ -245,6 +247,33 @@ def window_masking_session(steps: int, window: int = 5) -> list[tuple[np.ndarray
 
 
 MASKED_TOOL = message("tool", MASKED)
+
+
+def test_an_edit_rule_keeps_its_share_through_edits_of_sequences_it_names_no_point_of():
+    """Masking starts once a session holds more observations than its window: until then the
+    address of the observation it masks names no point of the sequence, and the edits there
+    (re-rendered answers) are no evidence against it. Where it names a point again, it keeps
+    the share it had earned."""
+    def sequence(observations: int) -> AnchorIndex:
+        history = [message("system", text(1, 40)), message("user", text(2, 20))]
+        for i in range(observations):
+            history += [message("assistant", text(50 + i, 8)), message("tool", text(100 + i, 30))]
+        prompt, _ = request(history, [])
+        return AnchorIndex(DETECTOR.detect(prompt), len(prompt))
+
+    long, short = sequence(4), sequence(1)
+    third_from_end = (FROM_END, int(AnchorKind.TOOL_RESULT_START), int(Role.TOOL), 3)
+    masked = long.position_of(third_from_end)
+    assert masked is not None and short.position_of(third_from_end) is None
+    model = EditModel(capacity=16, learning_rate=0.3)
+    for _ in range(2):  # seen once, then predicted once
+        model.observe(long, masked, None)
+    earned = model.shares[third_from_end]
+    assert earned > 0.0
+    for _ in range(5):  # edits at the answer of sequences with one observation
+        model.observe(short, short.length - 1, None)
+    assert model.shares[third_from_end] == earned
+    assert model.predict(long, limit=6)[masked] >= earned
 
 
 def test_window_masking_is_predicted_by_message_count():

@@ -11,9 +11,12 @@ class EditModel:
     """Addresses of past edit points, scored by how often each named the restore point of the
     edits that followed.
 
-    Shares form a distribution over the addresses (ties split an edit's credit), so several
-    rules mixing in one session -- a masked observation on tool turns, a re-rendered answer on
-    user turns -- each keep the probability of their own edits.
+    An address's share is its running frequency over the edits of sequences it names a point
+    of: a rule that applies only to some sequences (masking, once more observations than the
+    window hold) is not worn down by the edits of the others. Among the addresses naming a
+    point, ties split an edit's credit, so several rules mixing in one session -- a masked
+    observation on tool turns, a re-rendered answer on user turns -- each keep the
+    probability of their own edits.
     """
 
     def __init__(self, capacity: int, learning_rate: float):
@@ -31,6 +34,8 @@ class EditModel:
         best = max(usable, default=None)
         winners = sum(1 for depth in usable if depth == best)
         for address, share in self.shares.items():
+            if reached[address] is None:
+                continue  # named no point of this sequence: it predicted nothing, right or wrong
             target = 1.0 / winners if best is not None and reached[address] == best else 0.0
             self.shares[address] = share + self.learning_rate * (target - share)
         new = [address for address in index.addresses_of(edit_point) if address not in self.shares]
