@@ -232,8 +232,11 @@ CPU_HOST_DEFAULTS: tuple[tuple[str, object], ...] = (
     ("max_total_tokens", CPU_KV_TOKENS),
 )
 # Triton kernels without a kernel of ours or a fallback run in its interpreter; it must be
-# set before any kernel is decorated, in this process and the schedulers it starts.
-CPU_HOST_ENV = {"TRITON_INTERPRET": "1"}
+# set before any kernel is decorated, in this process and the schedulers it starts. A fixed
+# mmap threshold: every prefill allocates activations of a new size, and glibc's adaptive
+# threshold moves such blocks onto the heap, where they fragment it (a scheduler grew by
+# ~360 MiB per 1,000 agent requests, bench/soak.py); the schedulers read it when they start.
+CPU_HOST_ENV = {"TRITON_INTERPRET": "1", "MALLOC_MMAP_THRESHOLD_": "131072"}
 
 
 def apply_launch_settings(server_args: "ServerArgs", cuda_available: bool) -> list[str]:

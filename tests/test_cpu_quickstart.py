@@ -11,8 +11,11 @@ request must still give the output it gave before them.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import subprocess
+from pathlib import Path
 
 import pytest
 import requests
@@ -53,6 +56,22 @@ def test_the_documented_commands_run_as_written(quickstart):
     log = log_path.read_text()
     assert "CPU-only host, the semantic state cache runs with" in log
     assert "--disable-overlap-schedule" in log and "--device cpu" in log
+
+
+def test_the_schedulers_run_with_a_fixed_mmap_threshold(documented_cpu_server):
+    """Without it glibc moves the activations of each new prompt length onto its heap and the
+    scheduler's memory grows with every request (bench/soak.py)."""
+    schedulers = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        with contextlib.suppress(OSError):
+            if os.getpgid(int(entry.name)) == documented_cpu_server.process.pid and (
+                (entry / "comm").read_text().startswith("sglang::schedul")
+            ):
+                schedulers.append((entry / "environ").read_bytes().split(b"\0"))
+    assert schedulers
+    assert all(b"MALLOC_MMAP_THRESHOLD_=131072" in environ for environ in schedulers)
 
 
 def _generate(base_url: str, payload: dict) -> requests.Response:
