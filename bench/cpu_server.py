@@ -29,17 +29,18 @@ def tiny_cpu_server(log_path: Path, extra_args: Sequence[str] = ()) -> Iterator[
         server.stop()
 
 
-def process_group_rss_mib(process: subprocess.Popen) -> float:
-    """Resident memory of every process in ``process``'s group (launcher, scheduler,
-    detokenizer), in MiB."""
-    total_kib = 0
+def process_group_rss_mib(process: subprocess.Popen) -> dict[str, float]:
+    """Resident memory of each process in ``process``'s group (launcher, scheduler,
+    detokenizer), in MiB, keyed by process name (SGLang titles its workers
+    ``sglang::scheduler`` and so on) and pid."""
+    rss = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         with contextlib.suppress(OSError, ValueError, IndexError):
             if os.getpgid(int(entry.name)) != process.pid:
                 continue
-            for line in (entry / "status").read_text().splitlines():
-                if line.startswith("VmRSS:"):
-                    total_kib += int(line.split()[1])
-    return total_kib / 1024
+            fields = dict(line.split(":", 1) for line in (entry / "status").read_text().splitlines())
+            if "VmRSS" in fields:
+                rss[f"{fields['Name'].strip()}[{entry.name}]"] = int(fields["VmRSS"].split()[0]) / 1024
+    return rss

@@ -6,7 +6,8 @@ Each session is a seeded loop of calls: the prompt is the previous prompt, the s
 and a new tool output; every few turns the session edits its history (masks an old tool
 output, as observation-masking agents do) and after `--max-turns` it starts over with a new
 system prompt, so the tree keeps growing, branching and evicting. Every 100 requests the
-resident memory of the server's processes is sampled with the cache's counters.
+resident memory of each of the server's processes (and their sum) is sampled with the
+cache's counters.
 
 Checks, reported (the run fails if one does not hold): 0 request errors; once idle, no live
 request-state slot held and no checkpoint slot outside the tree (the server replay's own
@@ -120,10 +121,12 @@ def main() -> None:
                     counts["done"] += 1
                     done = counts["done"]
                     if done % SAMPLE_EVERY == 0:
+                        rss_by_process = process_group_rss_mib(process)
                         samples.append({
                             "requests": done,
                             "elapsed_s": time.monotonic() - started,
-                            "rss_mib": process_group_rss_mib(process),
+                            "rss_mib": sum(rss_by_process.values()),
+                            "rss_mib_by_process": rss_by_process,
                             **scrape_cache_metrics(base_url),
                         })  # fmt: skip
                         print(f"{done:>6} requests  {samples[-1]['elapsed_s']:7.0f} s  rss {samples[-1]['rss_mib']:8.1f} MiB")
@@ -132,7 +135,7 @@ def main() -> None:
             list(pool.map(run_session, sessions))
         time.sleep(2.0)  # let the last releases reach the gauges
         idle = scrape_cache_metrics(base_url)
-        idle_rss = process_group_rss_mib(process)
+        idle_rss = sum(process_group_rss_mib(process).values())
 
     fitted = [s for s in samples if s["requests"] > args.warmup]
     slope, residual = fit_slope([s["requests"] for s in fitted], [s["rss_mib"] for s in fitted])
