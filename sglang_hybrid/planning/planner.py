@@ -93,6 +93,9 @@ class CheckpointPlanner:
         # admission against a full pool, every eviction call) then costs a few operations
         # per checkpoint, whatever the number of checkpoints a session holds.
         self._shares: dict[str, RestoreShares] = {}
+        # Held checkpoint -> its value, until the clock moves or the planner's state changes:
+        # the eviction that follows an admission against a full pool values the same pool.
+        self._values: dict[CheckpointId, float] = {}
 
     @property
     def clock(self) -> int:
@@ -103,6 +106,7 @@ class CheckpointPlanner:
 
     def plan(self, ctx: RequestContext) -> CheckpointPlan:
         self.stream.clock += 1
+        self._values.clear()
         prompt_len = int(ctx.prompt_ids.shape[0])
         session = self.sessions.get(ctx.session)
         own_prefix = 0
@@ -132,7 +136,7 @@ class CheckpointPlanner:
         # Until the request finishes, its prompt is what the session's next request follows.
         session.sequence, session.index = ctx.prompt_ids, index
         session.last_clock = self.clock
-        self._shares.pop(ctx.session, None)
+        self._session_changed(ctx.session)
 
         candidates = self._candidates(ctx, session, prompt_len, own_prefix)
         return CheckpointPlan(self._admit(candidates, ctx))
@@ -295,7 +299,7 @@ class CheckpointPlanner:
         if owner is None:
             raise KeyError(f"session {session!r} was never planned")
         owner.sequence, owner.index = sequence, AnchorIndex(anchors, int(sequence.shape[0]))
-        self._shares.pop(session, None)
+        self._session_changed(session)
 
     def record_checkpoint(self, checkpoint: CheckpointId, session: str, depth: int, purpose: Purpose) -> None:
         """``checkpoint`` now holds ``session``'s checkpoint at ``depth`` (taken for ``purpose``)."""
@@ -307,7 +311,7 @@ class CheckpointPlanner:
         if purpose is Purpose.SHARED_PATH:
             self.stream.shared_taken += 1
         owner.on_path[checkpoint] = depth
-        self._shares.pop(session, None)
+        self._session_changed(session)
 
     def _new_record(self, session: str, depth: int, purpose: Purpose) -> Record:
         """The record of a checkpoint ``session``'s latest request takes (or would take)."""
@@ -324,6 +328,7 @@ class CheckpointPlanner:
         self._drop_record(new)
         if record is None:
             return
+        self._values.pop(old, None)
         self.records[new] = record
         session = self.sessions[record.session]
         if old in session.on_path:
@@ -339,8 +344,15 @@ class CheckpointPlanner:
         record = self.records.pop(checkpoint, None)
         if record is None:
             return
+        self._values.pop(checkpoint, None)
         if self.sessions[record.session].on_path.pop(checkpoint, None) is not None:
-            self._shares.pop(record.session, None)
+            self._session_changed(record.session)
+
+    def _session_changed(self, session: str) -> None:
+        """``session``'s checkpoints, predictions or sequence changed (or the stream's counters
+        did): the values that read them are computed again."""
+        self._shares.pop(session, None)
+        self._values.clear()
 
     # ---- valuation ----
 
@@ -352,10 +364,14 @@ class CheckpointPlanner:
         record = self.records.get(checkpoint)
         if record is None or record.depth != depth:
             return 0.0
+        value = self._values.get(checkpoint)
+        if value is not None:
+            return value
         session = self.sessions[record.session]
         shares = None
         if record.purpose not in SHARED_PURPOSES and checkpoint in session.on_path:
             shares = self._shares.get(record.session)
             if shares is None:
                 shares = self._shares[record.session] = restore_shares(session, session.on_path.values())
-        return checkpoint_value(record, checkpoint, self.sessions, self.stream, shares=shares)
+        value = self._values[checkpoint] = checkpoint_value(record, checkpoint, self.sessions, self.stream, shares=shares)
+        return value
