@@ -48,6 +48,7 @@ from sglang_hybrid.cache.stats import CheckpointObserver, CheckpointStats
 if TYPE_CHECKING:
     from sglang.srt.managers.schedule_batch import Req
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+    from sglang.srt.mem_cache.unified_radix_cache import UnifiedTreeNode
 
     from sglang_hybrid.anchors.hints import ValidatedHint
 
@@ -355,13 +356,13 @@ class SemanticStateCache(UnifiedRadixCache):
 
     def _attach_checkpoints(self, req: "Req", ready: list[tuple[int, torch.Tensor]]) -> None:
         """Attach each (depth, slot) of ``ready`` (by depth, all within what ``req`` has
-        inserted) to the node ending at its depth, splitting the node there: one walk down
-        the request's path for all of them.
+        inserted) to the node ending at its depth, splitting nodes there: one walk down the
+        request's path for all of them.
 
         SGLang's insert walks from the root, so attaching a request's ~100 message-start
         checkpoints one insert each cost ~100 walks of ~100 nodes (tens of ms per request
         on the scheduler thread). The path is already in the tree, owned by this request's
-        insert, so the walk only splits nodes and commits the slot as the insert's last
+        insert, so the walk only splits nodes and commits each slot as the insert's last
         step does (``commit_insert_component_data``).
         """
         tree = self.tree_core
@@ -374,25 +375,34 @@ class SemanticStateCache(UnifiedRadixCache):
         )
         # A bigram key (EAGLE) is one unit shorter than the tokens it covers.
         shift = deepest - len(key)
-        node, walked = tree.root_node, 0
-        actions: list = []
+        slots: dict[int, list[tuple[int, torch.Tensor]]] = {}  # key length -> staged there
         for depth, slot in ready:
-            target = depth - shift
-            if target <= 0:  # a one-token bigram key holds nothing to attach to
+            if depth - shift <= 0:  # a one-token bigram key holds nothing to attach to
                 self.checkpoint_pool.free(slot)
-                continue
-            while walked < target:
-                child = node.children[key.child_key_at(walked, self.page_size)]
-                if child.key.match_at(key, walked, self.page_size) < min(len(child.key), target - walked):
-                    raise RuntimeError(
-                        f"request {req.rid}'s path leaves the tree before depth {depth}, which "
-                        f"its insert covered ({req.kv.cache_protected_len} tokens)"
-                    )
-                if walked + len(child.key) > target:
-                    child, action = tree._split_node(child.key, child, target - walked)
-                    if action is not None:
-                        actions.append(action)
-                node, walked = child, walked + len(child.key)
+            else:
+                slots.setdefault(depth - shift, []).append((depth, slot))
+        targets = sorted(slots)
+        actions: list = []
+        node_at: dict[int, "UnifiedTreeNode"] = {}
+        node, walked, next_target = tree.root_node, 0, 0
+        while next_target < len(targets):
+            child = node.children[key.child_key_at(walked, self.page_size)]
+            end = walked + len(child.key)
+            if child.key.match_at(key, walked, self.page_size) < min(len(child.key), targets[-1] - walked):
+                raise RuntimeError(
+                    f"request {req.rid}'s path leaves the tree before depth {targets[-1] + shift}, "
+                    f"which its insert covered ({req.kv.cache_protected_len} tokens)"
+                )
+            inside = next_target
+            while inside < len(targets) and targets[inside] < end:
+                inside += 1
+            self._split_at(child, walked, targets[next_target:inside], node_at, actions)
+            if inside < len(targets) and targets[inside] == end:
+                node_at[end] = child
+                inside += 1
+            node, walked, next_target = child, end, inside
+        for target, depth, slot in ((t, d, s) for t in targets for d, s in slots[t]):
+            node = node_at[target]
             params = InsertParams(
                 mamba_value=slot,
                 prev_prefix_len=depth,
@@ -409,6 +419,28 @@ class SemanticStateCache(UnifiedRadixCache):
             if result.mamba_exist:
                 self.checkpoint_pool.free(slot)
         self._apply_cache_actions(actions)
+
+    def _split_at(
+        self, node: "UnifiedTreeNode", start: int, targets: list[int], node_at: dict[int, "UnifiedTreeNode"], actions: list
+    ) -> None:
+        """Split ``node`` (its key starting at depth ``start``) so that a node ends at each of
+        ``targets`` (inside it, ascending), recording it in ``node_at``.
+
+        SGLang's split copies both halves of the node's KV indices, so splitting a long
+        node at k depths from one end copies it k times over (a 128k-token prompt with ~50
+        checkpoints: ~0.4 s); splitting at the middle target first copies it log k times.
+        """
+        if not targets:
+            return
+        middle = len(targets) // 2
+        depth = targets[middle]
+        # ``node`` stays the part below ``depth``; the part above is the new node.
+        upper, action = self.tree_core._split_node(node.key, node, depth - start)
+        if action is not None:
+            actions.append(action)
+        node_at[depth] = upper
+        self._split_at(upper, start, targets[:middle], node_at, actions)
+        self._split_at(node, depth, targets[middle + 1 :], node_at, actions)
 
     def on_release(self, req: "Req", *, checkpointed: bool) -> None:
         for _, slot in self._staged.pop(req.rid, ()):
