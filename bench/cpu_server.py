@@ -5,12 +5,11 @@ every process it forked, its resident memory read from /proc."""
 from __future__ import annotations
 
 import contextlib
-import os
 import subprocess
 from pathlib import Path
 from typing import Iterator, Sequence
 
-from sglang_hybrid.harness.server_process import ServerProcess, free_local_port
+from sglang_hybrid.harness.server_process import ServerProcess, free_local_port, process_group_members
 
 STARTUP_TIMEOUT_S = 600.0
 
@@ -34,12 +33,8 @@ def process_group_rss_mib(process: subprocess.Popen) -> dict[str, float]:
     detokenizer), in MiB, keyed by process name (SGLang titles its workers
     ``sglang::scheduler`` and so on) and pid."""
     rss = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
+    for entry in process_group_members(process.pid):
         with contextlib.suppress(OSError, ValueError, IndexError):
-            if os.getpgid(int(entry.name)) != process.pid:
-                continue
             fields = dict(line.split(":", 1) for line in (entry / "status").read_text().splitlines())
             if "VmRSS" in fields:
                 rss[f"{fields['Name'].strip()}[{entry.name}]"] = int(fields["VmRSS"].split()[0]) / 1024

@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import subprocess
-from pathlib import Path
 
 import pytest
 import requests
 
+from sglang_hybrid.harness.server_process import process_group_members
 from sglang_hybrid.replay.prometheus import parse_cache_metrics
 from tiny_server import SERVER_ON_CPU_HOST, documented_cpu_commands
 
@@ -62,13 +61,9 @@ def test_the_schedulers_run_with_a_fixed_mmap_threshold(documented_cpu_server):
     """Without it glibc moves the activations of each new prompt length onto its heap and the
     scheduler's memory grows with every request (bench/soak.py)."""
     schedulers = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
+    for entry in process_group_members(documented_cpu_server.process.pid):
         with contextlib.suppress(OSError):
-            if os.getpgid(int(entry.name)) == documented_cpu_server.process.pid and (
-                (entry / "comm").read_text().startswith("sglang::schedul")
-            ):
+            if (entry / "comm").read_text().startswith("sglang::schedul"):
                 schedulers.append((entry / "environ").read_bytes().split(b"\0"))
     assert schedulers
     assert all(b"MALLOC_MMAP_THRESHOLD_=131072" in environ for environ in schedulers)

@@ -345,7 +345,7 @@ class SemanticStateCache(UnifiedRadixCache):
         if not staged or self.disable:
             return
         inserted = req.kv.cache_protected_len
-        ready = sorted((item for item in staged if item[0] <= inserted), key=lambda item: item[0])
+        ready = [item for item in staged if item[0] <= inserted]
         keep = [item for item in staged if item[0] > inserted]
         if keep:
             self._staged[req.rid] = keep
@@ -355,8 +355,7 @@ class SemanticStateCache(UnifiedRadixCache):
             self._attach_checkpoints(req, ready)
 
     def _attach_checkpoints(self, req: "Req", ready: list[tuple[int, torch.Tensor]]) -> None:
-        """Attach each (depth, slot) of ``ready`` (by depth, all within what ``req`` has
-        inserted) to the node ending at its depth, splitting nodes there: one walk down the
+        """Attach each (depth, slot) of ``ready`` (all within what ``req`` has inserted) to the node ending at its depth, splitting nodes there: one walk down the
         request's path for all of them.
 
         SGLang's insert walks from the root, so attaching a request's ~100 message-start
@@ -366,7 +365,7 @@ class SemanticStateCache(UnifiedRadixCache):
         step does (``commit_insert_component_data``).
         """
         tree = self.tree_core
-        deepest = ready[-1][0]
+        deepest = max(depth for depth, _ in ready)
         key = RadixKey(
             req.full_untruncated_fill_ids[:deepest],
             req.extra_key,
@@ -401,23 +400,24 @@ class SemanticStateCache(UnifiedRadixCache):
                 node_at[end] = child
                 inside += 1
             node, walked, next_target = child, end, inside
-        for target, depth, slot in ((t, d, s) for t in targets for d, s in slots[t]):
+        for target in targets:
             node = node_at[target]
-            params = InsertParams(
-                mamba_value=slot,
-                prev_prefix_len=depth,
-                inserted_len=depth,
-                priority=req.priority or 0,
-                session_id=req.session_id,
-                rotation_base=req.kv_rotation_base,
-            )
-            result = InsertResult(prefix_len=target, last_device_node=node.id)
-            for component in tree.components:
-                component.commit_insert_component_data(
-                    node=node, is_new_leaf=False, params=params, result=result, cache_actions=actions
+            for depth, slot in slots[target]:
+                params = InsertParams(
+                    mamba_value=slot,
+                    prev_prefix_len=depth,
+                    inserted_len=depth,
+                    priority=req.priority or 0,
+                    session_id=req.session_id,
+                    rotation_base=req.kv_rotation_base,
                 )
-            if result.mamba_exist:
-                self.checkpoint_pool.free(slot)
+                result = InsertResult(prefix_len=target, last_device_node=node.id)
+                for component in tree.components:
+                    component.commit_insert_component_data(
+                        node=node, is_new_leaf=False, params=params, result=result, cache_actions=actions
+                    )
+                if result.mamba_exist:
+                    self.checkpoint_pool.free(slot)
         self._apply_cache_actions(actions)
 
     def _split_at(

@@ -15,6 +15,20 @@ from typing import Optional, Sequence, Union
 import requests
 
 
+def process_group_members(group: int) -> list[Path]:
+    """The /proc entries of the live processes in process group ``group`` (a server started
+    by ``ServerProcess``: its launcher, schedulers, detokenizer)."""
+    members = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if os.getpgid(int(entry.name)) == group:
+                    members.append(entry)
+            except OSError:  # the process ended since the listing
+                continue
+    return members
+
+
 def free_local_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
