@@ -275,18 +275,29 @@ class SemanticStateCache(UnifiedRadixCache):
 
     def checkpoints_on_path(self, tokens) -> tuple[int, list[tuple[int, CheckpointId]]]:
         """Read-only: the KV prefix the tree holds for ``tokens``, and the (depth, checkpoint)
-        of every device checkpoint on that prefix, deepest first. Touches no recency."""
-        matched, node_id, depth = self.tree_core.match_full_device_prefix(
-            RadixKey(array("q", [int(t) for t in tokens]))
-        )
-        node = self.tree_core.node_by_id(node_id)
-        held = []
-        while node.parent is not None:
-            slot = node.component_data[MAMBA].value
-            if slot is not None and depth <= matched:
-                held.append((depth, CheckpointId.device(slot)))
-            depth -= len(node.key)
-            node = node.parent
+        of every device checkpoint on that prefix, deepest first. Touches no recency.
+
+        One walk that compares each node's key in place: SGLang's read-only match
+        (``match_full_device_prefix``) copies the rest of the key at every node, and converting
+        the tokens one Python int at a time cost ~1 ms per 8k-token prompt, twice per request.
+        """
+        tree = self.tree_core
+        key = RadixKey(array("q", np.ascontiguousarray(tokens, dtype=np.int64).tobytes()), is_bigram=tree.is_eagle)
+        page, length = self.page_size, len(key)
+        node, matched, held = tree.root_node, 0, []
+        while length - matched >= page:
+            child = node.children.get(key.child_key_at(matched, page))
+            if child is None or child.component_data[ComponentType.FULL].value is None:
+                break
+            prefix = child.key.match_at(key, matched, page)
+            matched += prefix
+            if prefix < len(child.key):
+                break
+            slot = child.component_data[MAMBA].value
+            if slot is not None:
+                held.append((matched, CheckpointId.device(slot)))
+            node = child
+        held.reverse()
         return matched, held
 
     def checkpoint_at(self, tokens) -> Optional[CheckpointId]:
