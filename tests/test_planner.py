@@ -337,7 +337,9 @@ def test_a_trial_parting_from_another_restores_where_their_windows_part():
     steps, keep, parted_at = 8, 6, 4
     leader_calls = recent_window_session(steps, tag=10_000, keep=keep)
     follower_calls = recent_window_session(steps, tag=10_000, keep=keep, parted_at=parted_at, parted_tag=30_000)
-    store = PrefixStore(CheckpointPlanner(), budget=8, evict=True)
+    # Nine slots: the system prompt's checkpoint, which every request restores from (the
+    # windows part after it), holds one; the other sessions fill the rest.
+    store = PrefixStore(CheckpointPlanner(), budget=9, evict=True)
     others = {f"other-{i}": recent_window_session(steps, tag=20_000 + 1000 * i, keep=keep) for i in range(3)}
     parted = []
     for step in range(steps):
