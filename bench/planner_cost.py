@@ -2,8 +2,8 @@
 
 The semantic cache plans a request's checkpoints at its first prefill forward and evicts a
 checkpoint whenever a planned one needs a slot; both run on SGLang's scheduler thread. This
-replays agent sessions of ~100 messages with prompts of 8k, 32k and 128k tokens through the
-real cache (``SemanticPolicy``: the request lifecycle a server runs) at 64 and 1,024
+replays agent sessions of ~100 messages with prompts of 8k, 32k and 128k tokens (8 sessions,
+or one per 16 slots if more) through the real cache (``SemanticPolicy``: the request lifecycle a server runs) at 64 and 1,024
 checkpoint slots, sessions interleaved, each turn appending an assistant message and a tool
 result and masking the oldest unmasked tool result (an observation-masking agent), so the
 pool fills and stays full. It times with ``time.perf_counter`` ``CheckpointPlanning.plan``
@@ -40,6 +40,9 @@ from sglang_hybrid.replay.trace import Request
 
 MESSAGES = 100
 SESSIONS = 8
+# A session keeps a handful of checkpoints worth their slot (its predicted edit points, prompt
+# tail and end): a larger pool is filled by more sessions, one per SLOTS_PER_SESSION slots.
+SLOTS_PER_SESSION = 16
 TURNS = 5
 PER_REQUEST_TARGET_MS = 1.0
 PER_EVICTION_TARGET_US = 50.0
@@ -79,8 +82,8 @@ def session_requests(rng: np.random.Generator, session: int, prompt_tokens: int,
 def measure(slots: int, prompt_tokens: int) -> dict[str, float]:
     rng = np.random.default_rng(prompt_tokens + slots)
     system = _message("system", rng.integers(1000, 100_000, 512))
-    sessions = [session_requests(rng, s, prompt_tokens, system) for s in range(SESSIONS)]
-    requests = [sessions[s][t] for t in range(TURNS) for s in range(SESSIONS)]  # interleaved
+    sessions = [session_requests(rng, s, prompt_tokens, system) for s in range(max(SESSIONS, slots // SLOTS_PER_SESSION))]
+    requests = [session[t] for t in range(TURNS) for session in sessions]  # interleaved
     total = sum(len(r.input_ids) + len(r.output_ids) for r in requests)
     spec = tiny_state_spec(kv_tokens=1 << int(np.ceil(np.log2(total + 1))), max_context=1 << 18)
     policy = SemanticPolicy(slots, get_profile(DEFAULT_PROFILE), spec=spec)

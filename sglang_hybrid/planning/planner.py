@@ -93,9 +93,12 @@ class CheckpointPlanner:
         # admission against a full pool, every eviction call) then costs a few operations
         # per checkpoint, whatever the number of checkpoints a session holds.
         self._shares: dict[str, RestoreShares] = {}
-        # Held checkpoint -> its value, until the clock moves or the planner's state changes:
-        # the eviction that follows an admission against a full pool values the same pool.
-        self._values: dict[CheckpointId, float] = {}
+        # Held checkpoint -> its value, until the clock moves or what it reads changes: its
+        # session's state for an own checkpoint (under ``_session_changed`` of its session),
+        # any session's for one serving others (``None``'s group). The eviction that follows
+        # an admission against a full pool values the same pool; the one a finished request
+        # causes values again only that request's session and the shared checkpoints.
+        self._values: dict[Optional[str], dict[CheckpointId, float]] = {}
 
     @property
     def clock(self) -> int:
@@ -328,7 +331,7 @@ class CheckpointPlanner:
         self._drop_record(new)
         if record is None:
             return
-        self._values.pop(old, None)
+        self._values.get(_value_group(record), {}).pop(old, None)
         self.records[new] = record
         session = self.sessions[record.session]
         if old in session.on_path:
@@ -344,15 +347,18 @@ class CheckpointPlanner:
         record = self.records.pop(checkpoint, None)
         if record is None:
             return
-        self._values.pop(checkpoint, None)
+        self._values.get(_value_group(record), {}).pop(checkpoint, None)
         if self.sessions[record.session].on_path.pop(checkpoint, None) is not None:
             self._session_changed(record.session)
 
     def _session_changed(self, session: str) -> None:
-        """``session``'s checkpoints, predictions or sequence changed (or the stream's counters
-        did): the values that read them are computed again."""
+        """``session``'s checkpoints, predictions or sequence changed: the values that read
+        them -- its own checkpoints', and those serving other sessions (their use counts and
+        followers) -- are computed again. The stream's counters change only while planning,
+        which starts a new clock tick."""
         self._shares.pop(session, None)
-        self._values.clear()
+        self._values.pop(session, None)
+        self._values.pop(None, None)
 
     # ---- valuation ----
 
@@ -364,7 +370,8 @@ class CheckpointPlanner:
         record = self.records.get(checkpoint)
         if record is None or record.depth != depth:
             return 0.0
-        value = self._values.get(checkpoint)
+        group = self._values.setdefault(_value_group(record), {})
+        value = group.get(checkpoint)
         if value is not None:
             return value
         session = self.sessions[record.session]
@@ -373,5 +380,10 @@ class CheckpointPlanner:
             shares = self._shares.get(record.session)
             if shares is None:
                 shares = self._shares[record.session] = restore_shares(session, session.on_path.values())
-        value = self._values[checkpoint] = checkpoint_value(record, checkpoint, self.sessions, self.stream, shares=shares)
+        value = group[checkpoint] = checkpoint_value(record, checkpoint, self.sessions, self.stream, shares=shares)
         return value
+
+
+def _value_group(record: Record) -> Optional[str]:
+    """Which memo of ``CheckpointPlanner._values`` holds the record's value."""
+    return None if record.purpose in SHARED_PURPOSES else record.session
