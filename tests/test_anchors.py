@@ -18,6 +18,8 @@ import pytest
 
 from sglang_hybrid.anchors import special_tokens as tok
 from sglang_hybrid.anchors.detector import (
+    NO_ANCHORS,
+    NO_ENDING,
     AnchorDetector,
     AnchorKind,
     Anchors,
@@ -455,3 +457,13 @@ def test_tau_bench_with_reasoning_divergence_is_near_an_anchor():
     # The template drops earlier turns' reasoning on every new user query, so edits happen.
     assert all_edits > len(all_gaps) // 4
     assert max(all_gaps) <= MAX_GAP
+
+
+def test_output_ending_names_a_closing_special_token_and_nothing_else():
+    qwen3 = AnchorDetector.for_family("chatml")
+    end_tool_call = tok.QWEN3_SPECIAL_IDS["</tool_call>"]
+    tool_call = np.array([tok.QWEN3_SPECIAL_IDS["<tool_call>"], 1234, 5678, end_tool_call])
+    assert qwen3.output_ending(tool_call) == end_tool_call
+    assert qwen3.output_ending(np.array([tok.QWEN3_SPECIAL_IDS["</think>"], 1234, 5678])) == NO_ENDING
+    assert qwen3.output_ending(np.array([], dtype=np.int64)) == NO_ENDING
+    assert AnchorDetector.for_family(NO_ANCHORS).output_ending(tool_call) == NO_ENDING

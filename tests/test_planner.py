@@ -22,6 +22,7 @@ from sglang_hybrid.planning.addresses import FROM_END, AnchorIndex
 from sglang_hybrid.planning.edit_model import EditModel
 from sglang_hybrid.planning.planner import CheckpointPlanner
 from sglang_hybrid.planning.state import Purpose, RequestContext
+from sglang_hybrid.planning.valuation import append_probability
 from sglang_hybrid.anchors.special_tokens import QWEN3_NEWLINE_ID, QWEN3_ROLE_IDS, QWEN3_SPECIAL_IDS
 from sglang_hybrid.cache.planning import CheckpointId
 
@@ -29,6 +30,7 @@ IM_START = QWEN3_SPECIAL_IDS["<|im_start|>"]
 IM_END = QWEN3_SPECIAL_IDS["<|im_end|>"]
 THINK, END_THINK = QWEN3_SPECIAL_IDS["<think>"], QWEN3_SPECIAL_IDS["</think>"]
 TOOL_RESPONSE, END_TOOL_RESPONSE = QWEN3_SPECIAL_IDS["<tool_response>"], QWEN3_SPECIAL_IDS["</tool_response>"]
+TOOL_CALL, END_TOOL_CALL = QWEN3_SPECIAL_IDS["<tool_call>"], QWEN3_SPECIAL_IDS["</tool_call>"]
 NL = QWEN3_NEWLINE_ID
 DETECTOR = AnchorDetector.for_family("chatml")
 MASKED = [5, 5, 5]
@@ -108,7 +110,7 @@ class PrefixStore:
         sequence = np.concatenate([prompt, kept])
         for checkpoint in plan.checkpoints:
             self._take(session, sequence, checkpoint.depth, checkpoint.purpose)
-        self.planner.request_finished(session, sequence, DETECTOR.detect(prompt, kept))
+        self.planner.request_finished(session, sequence, DETECTOR.detect(prompt, kept), DETECTOR.output_ending(kept))
         self._take(session, sequence, len(sequence), Purpose.CONTINUATION)
         self.sequences.append(sequence)
         return plan, restored
@@ -354,6 +356,50 @@ def test_a_trial_parting_from_another_restores_where_their_windows_part():
         for name, calls in others.items():
             store.serve(name, *calls[step])
     assert parted == [True, True], parted
+
+
+def reasoning_agent_session(turns: int, tag: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Qwen3 with its reasoning kept while a turn's tool calls run: an output that calls a
+    tool is followed by its result (an append); a final answer by the user's next message,
+    and the template drops that answer's reasoning when it renders it again (an edit at the
+    answer's start). Turns alternate: two tool calls, then an answer."""
+    history = [message("system", text(1, 40)), message("user", text(tag, 20))]
+    calls = []
+    for turn in range(turns):
+        thought = [THINK, *text(tag + 10 + turn, 12), END_THINK, NL]
+        if turn % 3 < 2:
+            answer = [*thought, TOOL_CALL, *text(tag + 30 + turn, 6), END_TOOL_CALL]
+            calls.append(request(history, answer))
+            history += [message("assistant", answer), message("tool", text(tag + 50 + turn, 20))]
+        else:
+            answer = [*thought, *text(tag + 70 + turn, 10)]
+            calls.append(request(history, answer))
+            history += [message("assistant", answer[len(thought):]), message("user", text(tag + 90 + turn, 10))]
+    return calls
+
+
+def test_whether_the_next_request_appends_is_learned_from_how_the_output_ended():
+    """After a tool call the session's next request appends; after an answer it edits. The
+    planner learns the two rates apart (the unconditional one is two thirds), so the
+    generation-end state is worth its output after a tool call and nothing after an answer,
+    while the prompt tail, where an answer's edit restores, keeps its value after both."""
+    planner = CheckpointPlanner()
+    store = PrefixStore(planner)
+    appends, end_values, tail_values = {}, {}, {}
+    for turn, (prompt, output) in enumerate(reasoning_agent_session(18, tag=500)):
+        store.serve("agent", prompt, output)
+        if turn >= 9:
+            session = planner.sessions["agent"]
+            ending = "tool call" if session.ending == END_TOOL_CALL else "answer"
+            appends.setdefault(ending, []).append(append_probability(session, planner.stream))
+            end = latest_continuation(planner, "agent")
+            tail = next(checkpoint for checkpoint, record in planner.records.items()
+                        if record.purpose is Purpose.PROMPT_TAIL and record.depth == len(prompt) - 1)
+            end_values.setdefault(ending, []).append(planner.value(end, planner.records[end].depth))
+            tail_values.setdefault(ending, []).append(planner.value(tail, len(prompt) - 1))
+    assert min(appends["tool call"]) > 0.8 > 0.2 > max(appends["answer"]), appends
+    assert max(end_values["answer"]) < 0.2 * min(end_values["tool call"]), end_values
+    assert min(tail_values["tool call"]) > 0 and min(tail_values["answer"]) > 0, tail_values
 
 
 def test_hints():

@@ -320,6 +320,8 @@ KNOWN_FAMILIES: tuple[str, ...] = (
     "mistral", "mistral_tekken", "mistral_spm",
 )  # fmt: skip
 NO_ANCHORS = "none"
+# ``AnchorDetector.output_ending`` of an output that does not end with a special token.
+NO_ENDING = -1
 
 # HF model_type -> (family, vocab sizes the family's ids are valid for). A model type alone is
 # not enough: Llama 2 and Llama 3 share "llama", Mistral changed tokenizers under "mistral".
@@ -374,6 +376,17 @@ class AnchorDetector:
             return cls(None)
         logger.info("anchor detection: family %s (%s)", family, reason)
         return cls.for_family(family)
+
+    def output_ending(self, covered_output: np.ndarray) -> int:
+        """How an output ended: its last token before the end of the turn (``covered_output``
+        is the output a finished request's state covers, which stops there) when that is one
+        of the template's special tokens -- the close of a tool call (``</tool_call>``,
+        ``[/TOOL_CALLS]``...) -- else ``NO_ENDING`` (a plain answer, or no template)."""
+        grammar = self._grammar
+        if grammar is None or covered_output.shape[0] == 0:
+            return NO_ENDING
+        last = int(covered_output[-1])
+        return last if grammar.special_lo <= last < grammar.special_hi else NO_ENDING
 
     def detect(self, prompt_ids: Sequence[int] | np.ndarray, output_ids: Sequence[int] | np.ndarray | None = None) -> Anchors:
         """Anchors of ``prompt_ids`` followed by ``output_ids`` (the request's generated tokens).

@@ -119,8 +119,9 @@ class AnchorPlanning:
         session = self._sessions.get(rid)
         if self.planner is None or session is None or session not in self.planner.sessions:
             return
-        anchors = self.detector.detect(cached[:prompt_len], cached[prompt_len:])
-        self.planner.request_finished(session, cached, anchors)
+        output = cached[prompt_len:]
+        anchors = self.detector.detect(cached[:prompt_len], output)
+        self.planner.request_finished(session, cached, anchors, self.detector.output_ending(output))
         if end is not None:
             self.planner.record_checkpoint(end, session, len(cached), Purpose.CONTINUATION)
         self.planner.forget(free)

@@ -48,7 +48,7 @@ from typing import Iterable, Optional
 
 import numpy as np
 
-from sglang_hybrid.anchors.detector import AnchorKind, Anchors
+from sglang_hybrid.anchors.detector import NO_ENDING, AnchorKind, Anchors
 from sglang_hybrid.anchors.hints import HintMode
 from sglang_hybrid.cache.planning import CheckpointId
 from sglang_hybrid.planning.addresses import AnchorIndex
@@ -171,6 +171,9 @@ class CheckpointPlanner:
         common = int(differ[0]) if differ.size else n
         session.transitions += 1
         self.stream.transitions += 1
+        ending, session.ending = session.ending, None  # this request's output is not known yet
+        session.transitions_after[ending] += 1
+        self.stream.transitions_after[ending] += 1
         session.on_path = {checkpoint: depth for checkpoint, depth in session.on_path.items() if depth <= common}
         gap = self.clock - session.last_clock
         session.gap_total += gap
@@ -180,6 +183,8 @@ class CheckpointPlanner:
         if common < previous.shape[0] - 1 and common > 0:
             session.edits += 1
             self.stream.edits += 1
+            session.edits_after[ending] += 1
+            self.stream.edits_after[ending] += 1
             if session.model is None:
                 session.model = EditModel(self._model_capacity, self._learning_rate)
             session.model.observe(session.index, common, self.global_model)
@@ -295,13 +300,16 @@ class CheckpointPlanner:
 
     # ---- bookkeeping after a request ----
 
-    def request_finished(self, session: str, sequence: np.ndarray, anchors: Anchors) -> None:
+    def request_finished(self, session: str, sequence: np.ndarray, anchors: Anchors, ending: int = NO_ENDING) -> None:
         """``session``'s request left ``sequence`` in the tree (prompt + the output its state
-        covers; ``anchors`` detected on it): the session's next request is compared with it."""
+        covers; ``anchors`` detected on it; its output ended with ``ending``,
+        ``AnchorDetector.output_ending``): the session's next request is compared with it,
+        and expected to append as often as requests after such an output did."""
         owner = self.sessions.get(session)
         if owner is None:
             raise KeyError(f"session {session!r} was never planned")
         owner.sequence, owner.index = sequence, AnchorIndex(anchors, int(sequence.shape[0]))
+        owner.ending = ending
         self._session_changed(session)
 
     def record_checkpoint(self, checkpoint: CheckpointId, session: str, depth: int, purpose: Purpose) -> None:

@@ -3,6 +3,7 @@ records of held checkpoints, sessions, followers and the stream's counters."""
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Optional, Sequence
@@ -115,6 +116,11 @@ class Session:
     index: Optional[AnchorIndex] = None
     transitions: int = 0  # requests that followed an earlier request of the session
     edits: int = 0  # of those, requests that diverged before the earlier request's end
+    # How the latest output ended (``AnchorDetector.output_ending``), once its request
+    # finished; None while it runs. Transitions and edits after each ending:
+    ending: Optional[int] = None
+    transitions_after: Counter = field(default_factory=Counter)
+    edits_after: Counter = field(default_factory=Counter)
     gap_total: int = 0  # requests of any session between consecutive requests of this one
     base_depth: int = 0  # shared-prefix depth the session started from
     # Checkpoint -> depth of the session's checkpoints on its current path: those before its last
@@ -138,6 +144,8 @@ class StreamStats:
     clock: int = 0  # requests planned
     transitions: int = 0  # requests that followed an earlier request of their session
     edits: int = 0  # of those, requests that diverged before the earlier request's end
+    transitions_after: Counter = field(default_factory=Counter)  # by the ending before them
+    edits_after: Counter = field(default_factory=Counter)
     gap_total: int = 0  # requests of any session between consecutive requests of one session
     # SHARED_PATH checkpoints recorded, and restores from them by other sessions: how often
     # the stream's sessions follow each other's new content.

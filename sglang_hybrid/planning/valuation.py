@@ -46,11 +46,10 @@ def own_value(session: Session, record: Record, checkpoint: Optional[CheckpointI
         return 0.0
     if shares is None:
         shares = restore_shares(session, [*session.on_path.values(), *planned, depth])
-    edit = edit_probability(session, stream)
-    probability = shares.probability(depth, edit)
+    probability = shares.probability(depth, append_probability(session, stream))
     if purpose is Purpose.HINT:
         # The client says an edit will land here: trust it as much as the session's edits.
-        probability = max(probability, edit)
+        probability = max(probability, edit_probability(session, stream))
     if probability <= 0.0:
         return 0.0
     saved = depth - session.base_depth
@@ -88,9 +87,9 @@ class RestoreShares:
     end: Optional[int]  # the depth serving the end, if any
     depths: tuple[int, ...]  # the distinct depths, ascending
 
-    def probability(self, depth: int, edit_probability: float) -> float:
+    def probability(self, depth: int, append_probability: float) -> float:
         """P(the session's next request restores from a checkpoint at ``depth``)."""
-        appends = 1.0 - edit_probability if depth == self.end else 0.0
+        appends = append_probability if depth == self.end else 0.0
         return self.predicted.get(depth, 0.0) + appends
 
     def below(self, depth: int) -> int:
@@ -114,6 +113,24 @@ def edit_probability(session: Session, stream: StreamStats) -> float:
     """P(the session's next request edits its history), the stream's rate as a prior."""
     prior = (stream.edits + 1) / (stream.transitions + 2)
     return (session.edits + PRIOR_EDITS * prior) / (session.transitions + PRIOR_EDITS)
+
+
+def append_probability(session: Session, stream: StreamStats) -> float:
+    """P(the session's next request only appends to its latest sequence).
+
+    Once the session's latest output is known, given how it ended: an agent's request after
+    a tool call appends the tool's result, one after an answer may see the turn re-rendered
+    (Qwen3's template drops the reasoning of a finished turn). The rate after each ending is
+    learned like the edit rate, the session's with the stream's as its prior; a template whose
+    outputs all end alike (or no template) gives ``1 - edit_probability``. The predicted edit
+    points keep the session's overall edit rate: after a tool call the next request appends,
+    but the one closing the chain may restore where the chain began."""
+    ending = session.ending
+    if ending is None:
+        return 1.0 - edit_probability(session, stream)
+    prior = (stream.edits_after[ending] + 1) / (stream.transitions_after[ending] + 2)
+    edits = (session.edits_after[ending] + PRIOR_EDITS * prior) / (session.transitions_after[ending] + PRIOR_EDITS)
+    return 1.0 - edits
 
 
 def mean_gap(session: Session, stream: StreamStats) -> float:
