@@ -43,6 +43,7 @@ from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 
 from sglang_hybrid.cache.checkpoint_pool import StateCheckpointPool
 from sglang_hybrid.cache.planning import CheckpointId, CheckpointPlanning, RequestToPlan
+from sglang_hybrid.cache.semantic_component import remember_depth
 from sglang_hybrid.cache.stats import CheckpointObserver, CheckpointStats
 
 if TYPE_CHECKING:
@@ -429,6 +430,7 @@ class SemanticStateCache(UnifiedRadixCache):
                     )
                 if result.mamba_exist:
                     self.checkpoint_pool.free(slot)
+            remember_depth(node, target)
         self._apply_cache_actions(actions)
 
     def _split_at(
