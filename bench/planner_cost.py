@@ -3,8 +3,8 @@
 The semantic cache plans a request's checkpoints at its first prefill forward and evicts a
 checkpoint whenever a planned one needs a slot; both run on SGLang's scheduler thread. This
 replays agent sessions of ~100 messages with prompts of 8k, 32k and 128k tokens (8 sessions,
-or one per 16 slots if more) through the real cache (``SemanticPolicy``: the request lifecycle a server runs) at 64 and 1,024
-checkpoint slots, sessions interleaved, each turn appending an assistant message and a tool
+or one per 16 slots if more) through the real cache (``SemanticPolicy``: the request
+lifecycle a server runs) at 64 and 1,024 checkpoint slots, sessions interleaved, each turn appending an assistant message and a tool
 result and masking the oldest unmasked tool result (an observation-masking agent), so the
 pool fills and stays full. It times with ``time.perf_counter`` ``CheckpointPlanning.plan``
 and the eviction calls (``evict_checkpoints``: victim selection and SGLang's detaching of
@@ -48,9 +48,9 @@ PER_REQUEST_TARGET_MS = 1.0
 PER_EVICTION_TARGET_US = 50.0
 
 # Scheduler-thread steps timed: the planning's plan, the eviction calls (victim selection and
-# SGLang's detaching), victim selection alone, the tree lookups of a request's checkpoints,
-# attaching its captured checkpoints; "selections" counts evictions.
-STEPS = ("plan", "evict", "select", "lookup", "attach", "selections")
+# SGLang's detaching), victim selection alone (one per eviction), the tree lookups of a
+# request's checkpoints, attaching its captured checkpoints.
+STEPS = ("plan", "evict", "select", "lookup", "attach")
 
 IM_START = QWEN3_SPECIAL_IDS["<|im_start|>"]
 IM_END = QWEN3_SPECIAL_IDS["<|im_end|>"]
@@ -115,17 +115,15 @@ def measure(slots: int, prompt_tokens: int) -> dict[str, float]:
     gc.freeze()
     collections_before = [stats["collections"] for stats in gc.get_stats()]
     per_request = {step: [] for step in STEPS}
+    evictions = 0
     for _ in drive(requests, [policy]):
+        evictions += len(spent["select"])
         for step, sink in spent.items():
             per_request[step].append(sum(sink))
-        selections = len(spent["select"])
-        for sink in spent.values():
             sink.clear()
-        per_request["selections"].append(selections)
     collections = [stats["collections"] - before for stats, before in zip(gc.get_stats(), collections_before)]
     gc.unfreeze()
-    ms = {step: np.array(times) * 1e3 for step, times in per_request.items() if step != "selections"}
-    evictions = int(sum(per_request["selections"]))
+    ms = {step: np.array(times) * 1e3 for step, times in per_request.items()}
     plan_and_evict = ms["plan"] + ms["evict"]
     return {
         "slots": slots, "prompt_tokens": prompt_tokens, "requests": len(requests),

@@ -367,8 +367,9 @@ class SemanticStateCache(UnifiedRadixCache):
             self._attach_checkpoints(req, ready)
 
     def _attach_checkpoints(self, req: "Req", ready: list[tuple[int, torch.Tensor]]) -> None:
-        """Attach each (depth, slot) of ``ready`` (all within what ``req`` has inserted) to the node ending at its depth, splitting nodes there: one walk down the
-        request's path for all of them.
+        """Attach each (depth, slot) of ``ready`` (all within what ``req`` has inserted) to the
+        node ending at its depth, splitting nodes there: one walk down the request's path for
+        all of them.
 
         SGLang's insert walks from the root, so attaching a request's ~100 message-start
         checkpoints one insert each cost ~100 walks of ~100 nodes (tens of ms per request

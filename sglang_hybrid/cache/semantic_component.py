@@ -326,13 +326,14 @@ def held_checkpoint(node: "UnifiedTreeNode") -> tuple[CheckpointId, int]:
     slot = node.component_data[MAMBA].value
     memo = getattr(node, "semantic_checkpoint_memo", None)
     if memo is None or memo[0] is not slot:
-        depth = memo[2] if memo is not None else node_depth(node)
-        memo = node.semantic_checkpoint_memo = (slot, CheckpointId.device(slot), depth)
+        remember_depth(node, memo[2] if memo is not None else node_depth(node))
+        memo = node.semantic_checkpoint_memo
     return memo[1], memo[2]
 
 
 def remember_depth(node: "UnifiedTreeNode", depth: int) -> None:
-    """``node``'s checkpoint was attached knowing its ``depth``: no walk to the root for it."""
+    """Remember ``node``'s checkpoint and its ``depth`` (``held_checkpoint``'s memo): the
+    attach knows the depth, so no walk to the root is needed for it."""
     slot = node.component_data[MAMBA].value
     if slot is not None:
         node.semantic_checkpoint_memo = (slot, CheckpointId.device(slot), depth)

@@ -48,7 +48,7 @@ from typing import Iterable, Optional
 
 import numpy as np
 
-from sglang_hybrid.anchors.detector import NO_ENDING, AnchorKind, Anchors
+from sglang_hybrid.anchors.detector import AnchorKind, Anchors
 from sglang_hybrid.anchors.hints import HintMode
 from sglang_hybrid.cache.planning import CheckpointId
 from sglang_hybrid.planning.addresses import AnchorIndex
@@ -300,7 +300,7 @@ class CheckpointPlanner:
 
     # ---- bookkeeping after a request ----
 
-    def request_finished(self, session: str, sequence: np.ndarray, anchors: Anchors, ending: int = NO_ENDING) -> None:
+    def request_finished(self, session: str, sequence: np.ndarray, anchors: Anchors, ending: int) -> None:
         """``session``'s request left ``sequence`` in the tree (prompt + the output its state
         covers; ``anchors`` detected on it; its output ended with ``ending``,
         ``AnchorDetector.output_ending``): the session's next request is compared with it,

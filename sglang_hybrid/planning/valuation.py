@@ -111,8 +111,7 @@ def restore_shares(session: Session, depths: Iterable[int]) -> RestoreShares:
 
 def edit_probability(session: Session, stream: StreamStats) -> float:
     """P(the session's next request edits its history), the stream's rate as a prior."""
-    prior = (stream.edits + 1) / (stream.transitions + 2)
-    return (session.edits + PRIOR_EDITS * prior) / (session.transitions + PRIOR_EDITS)
+    return _edit_rate(session.edits, session.transitions, stream.edits, stream.transitions)
 
 
 def append_probability(session: Session, stream: StreamStats) -> float:
@@ -128,9 +127,15 @@ def append_probability(session: Session, stream: StreamStats) -> float:
     ending = session.ending
     if ending is None:
         return 1.0 - edit_probability(session, stream)
-    prior = (stream.edits_after[ending] + 1) / (stream.transitions_after[ending] + 2)
-    edits = (session.edits_after[ending] + PRIOR_EDITS * prior) / (session.transitions_after[ending] + PRIOR_EDITS)
-    return 1.0 - edits
+    return 1.0 - _edit_rate(session.edits_after[ending], session.transitions_after[ending],
+                            stream.edits_after[ending], stream.transitions_after[ending])
+
+
+def _edit_rate(edits: int, transitions: int, stream_edits: int, stream_transitions: int) -> float:
+    """A session's edits per transition, the stream's (Laplace-smoothed) weighing as
+    ``PRIOR_EDITS`` of them."""
+    prior = (stream_edits + 1) / (stream_transitions + 2)
+    return (edits + PRIOR_EDITS * prior) / (transitions + PRIOR_EDITS)
 
 
 def mean_gap(session: Session, stream: StreamStats) -> float:
