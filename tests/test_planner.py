@@ -22,7 +22,7 @@ from sglang_hybrid.planning.addresses import FROM_END, AnchorIndex
 from sglang_hybrid.planning.edit_model import EditModel
 from sglang_hybrid.planning.planner import CheckpointPlanner
 from sglang_hybrid.planning.state import Purpose, RequestContext
-from sglang_hybrid.planning.valuation import append_probability
+from sglang_hybrid.planning.valuation import alive, append_probability, mean_gap, next_gap
 from sglang_hybrid.anchors.special_tokens import QWEN3_NEWLINE_ID, QWEN3_ROLE_IDS, QWEN3_SPECIAL_IDS
 from sglang_hybrid.cache.planning import CheckpointId
 
@@ -170,7 +170,7 @@ def reasoning_session(turns: int) -> list[tuple[np.ndarray, np.ndarray]]:
     """Qwen3 thinking template: two calls per user turn (tool call, then answer); reasoning is
     kept for the assistant messages after the last user query only."""
     system = message("system", text(1, 30))
-    calls, done = [], []  # done: (turn, call) of finished assistant messages
+    calls = []
     for turn in range(turns):
         for call in range(2):
             history = [system]
@@ -400,6 +400,43 @@ def test_whether_the_next_request_appends_is_learned_from_how_the_output_ended()
     assert min(appends["tool call"]) > 0.8 > 0.2 > max(appends["answer"]), appends
     assert max(end_values["answer"]) < 0.2 * min(end_values["tool call"]), end_values
     assert min(tail_values["tool call"]) > 0 and min(tail_values["answer"]) > 0, tail_values
+
+
+def test_an_append_that_comes_sooner_is_worth_more_per_request():
+    """A tool's result is sent back at once; a user's next message comes after other
+    sessions' requests. The planner learns the session's gap after each ending apart, and the
+    generation-end state, which an append restores from at the session's next request, is
+    worth its append share of what it saves scaled by how much sooner than the session's mean
+    gap that request comes: more after a tool call, less after an answer."""
+    planner = CheckpointPlanner()
+    store = PrefixStore(planner)
+    fillers = [last_n_session(10, tag=20_000 + 1000 * i) for i in range(8)]
+    served = {i: 0 for i in range(len(fillers))}
+
+    def serve_fillers(count: int) -> None:
+        for i in range(count):
+            session = i % len(fillers)
+            store.serve(f"filler-{session}", *fillers[session][served[session] % len(fillers[session])])
+            served[session] += 1
+
+    gaps, scaled = {}, {}
+    for turn, (prompt, output) in enumerate(reasoning_agent_session(18, tag=500)):
+        store.serve("agent", prompt, output)
+        session = planner.sessions["agent"]
+        ending = "tool call" if session.ending == END_TOOL_CALL else "answer"
+        if turn >= 9:
+            gaps.setdefault(ending, []).append(next_gap(session, planner.stream))
+            end = latest_continuation(planner, "agent")
+            depth = planner.records[end].depth
+            saved = depth - (len(prompt) - 1)  # over the prompt tail, the next shallower one
+            unscaled = append_probability(session, planner.stream) * saved
+            scaled.setdefault(ending, []).append(planner.value(end, depth) / unscaled)
+            assert alive(session, mean_gap(session, planner.stream), planner.clock) == 1.0
+        serve_fillers(1 if ending == "tool call" else 6)
+    mean = mean_gap(planner.sessions["agent"], planner.stream)
+    assert max(gaps["tool call"]) < mean < min(gaps["answer"]), (gaps, mean)
+    assert min(scaled["tool call"]) > 1.5, scaled
+    assert max(scaled["answer"]) < 0.9, scaled
 
 
 def test_hints():

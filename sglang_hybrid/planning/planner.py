@@ -178,6 +178,8 @@ class CheckpointPlanner:
         gap = self.clock - session.last_clock
         session.gap_total += gap
         self.stream.gap_total += gap
+        session.gaps_after[ending] += gap
+        self.stream.gaps_after[ending] += gap
         # The previous request's final state covers all but its last output token, so a
         # prompt that keeps at least that much is a continuation, not an edit.
         if common < previous.shape[0] - 1 and common > 0:

@@ -122,6 +122,7 @@ class Session:
     transitions_after: Counter = field(default_factory=Counter)
     edits_after: Counter = field(default_factory=Counter)
     gap_total: int = 0  # requests of any session between consecutive requests of this one
+    gaps_after: Counter = field(default_factory=Counter)  # gap_total by the ending before them
     base_depth: int = 0  # shared-prefix depth the session started from
     # Checkpoint -> depth of the session's checkpoints on its current path: those before its last
     # edit point. The others can only serve a request that undoes an edit.
@@ -147,6 +148,7 @@ class StreamStats:
     transitions_after: Counter = field(default_factory=Counter)  # by the ending before them
     edits_after: Counter = field(default_factory=Counter)
     gap_total: int = 0  # requests of any session between consecutive requests of one session
+    gaps_after: Counter = field(default_factory=Counter)  # gap_total by the ending before them
     # SHARED_PATH checkpoints recorded, and restores from them by other sessions: how often
     # the stream's sessions follow each other's new content.
     shared_taken: int = 0

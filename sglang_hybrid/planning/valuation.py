@@ -46,7 +46,14 @@ def own_value(session: Session, record: Record, checkpoint: Optional[CheckpointI
         return 0.0
     if shares is None:
         shares = restore_shares(session, [*session.on_path.values(), *planned, depth])
-    probability = shares.probability(depth, append_probability(session, stream))
+    gap = mean_gap(session, stream)
+    # An append restores from the end state at the session's next request, which comes
+    # sooner than its mean gap after a tool call (the tool's result is sent back at once) and
+    # later after an answer (a user types the next turn): the sooner, the more requests the
+    # slot serves per unit of time. (When an edit comes is not known: it may be the request
+    # closing a chain of tool calls.)
+    appends = append_probability(session, stream) * gap / next_gap(session, stream)
+    probability = shares.probability(depth, appends)
     if purpose is Purpose.HINT:
         # The client says an edit will land here: trust it as much as the session's edits.
         probability = max(probability, edit_probability(session, stream))
@@ -140,8 +147,23 @@ def _edit_rate(edits: int, transitions: int, stream_edits: int, stream_transitio
 
 def mean_gap(session: Session, stream: StreamStats) -> float:
     """Requests of any session between two of this session's, the stream's mean as a prior."""
-    prior = (stream.gap_total + 1) / (stream.transitions + 1)
-    return (session.gap_total + 2 * prior) / (session.transitions + 2)
+    return (session.gap_total + 2 * _stream_mean_gap(stream)) / (session.transitions + 2)
+
+
+def _stream_mean_gap(stream: StreamStats) -> float:
+    return (stream.gap_total + 1) / (stream.transitions + 1)
+
+
+def next_gap(session: Session, stream: StreamStats) -> float:
+    """Requests of any session expected before the session's next one: once its latest output
+    is known, the mean gap after outputs that ended the same way (the session's, with the
+    stream's as a prior worth two gaps, and the stream's drawn alike toward its mean gap over
+    all endings), else its mean gap."""
+    ending = session.ending
+    if ending is None:
+        return mean_gap(session, stream)
+    prior = (stream.gaps_after[ending] + 2 * _stream_mean_gap(stream)) / (stream.transitions_after[ending] + 2)
+    return (session.gaps_after[ending] + 2 * prior) / (session.transitions_after[ending] + 2)
 
 
 def alive(session: Session, gap: float, clock: int) -> float:
