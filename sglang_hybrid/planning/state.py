@@ -19,6 +19,8 @@ from sglang_hybrid.planning.edit_model import EditModel
 # How many of a session's own requests the stream-wide statistics (edit rate, edit rule) weigh
 # as, before the session has shown its own.
 PRIOR_EDITS = 2
+# How many of a session's gaps between requests the stream's mean gap weighs as.
+PRIOR_GAPS = 2
 # Prompt prefixes (at message starts) whose first producer the planner remembers, to tell which
 # session a request follows; the oldest are forgotten first.
 MAX_REMEMBERED_PREFIXES = 1 << 16

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Iterable, Mapping, Optional, Sequence
 
 from sglang_hybrid.cache.planning import CheckpointId
-from sglang_hybrid.planning.state import PRIOR_EDITS, SHARED_PURPOSES, Purpose, Record, Session, StreamStats
+from sglang_hybrid.planning.state import PRIOR_EDITS, PRIOR_GAPS, SHARED_PURPOSES, Purpose, Record, Session, StreamStats
 
 
 def checkpoint_value(
@@ -141,13 +141,12 @@ def append_probability(session: Session, stream: StreamStats) -> float:
 def _edit_rate(edits: int, transitions: int, stream_edits: int, stream_transitions: int) -> float:
     """A session's edits per transition, the stream's (Laplace-smoothed) weighing as
     ``PRIOR_EDITS`` of them."""
-    prior = (stream_edits + 1) / (stream_transitions + 2)
-    return (edits + PRIOR_EDITS * prior) / (transitions + PRIOR_EDITS)
+    return _toward(edits, transitions, (stream_edits + 1) / (stream_transitions + 2), PRIOR_EDITS)
 
 
 def mean_gap(session: Session, stream: StreamStats) -> float:
     """Requests of any session between two of this session's, the stream's mean as a prior."""
-    return (session.gap_total + 2 * _stream_mean_gap(stream)) / (session.transitions + 2)
+    return _toward(session.gap_total, session.transitions, _stream_mean_gap(stream), PRIOR_GAPS)
 
 
 def _stream_mean_gap(stream: StreamStats) -> float:
@@ -157,13 +156,19 @@ def _stream_mean_gap(stream: StreamStats) -> float:
 def next_gap(session: Session, stream: StreamStats) -> float:
     """Requests of any session expected before the session's next one: once its latest output
     is known, the mean gap after outputs that ended the same way (the session's, with the
-    stream's as a prior worth two gaps, and the stream's drawn alike toward its mean gap over
-    all endings), else its mean gap."""
+    stream's as a prior, and the stream's drawn alike toward its mean gap over all endings),
+    else its mean gap."""
     ending = session.ending
     if ending is None:
         return mean_gap(session, stream)
-    prior = (stream.gaps_after[ending] + 2 * _stream_mean_gap(stream)) / (stream.transitions_after[ending] + 2)
-    return (session.gaps_after[ending] + 2 * prior) / (session.transitions_after[ending] + 2)
+    prior = _toward(stream.gaps_after[ending], stream.transitions_after[ending], _stream_mean_gap(stream), PRIOR_GAPS)
+    return _toward(session.gaps_after[ending], session.transitions_after[ending], prior, PRIOR_GAPS)
+
+
+def _toward(total: float, count: int, prior: float, weight: int) -> float:
+    """The mean of ``count`` observations summing to ``total``, with ``weight`` more at
+    ``prior``: the prior rules until observations outnumber its weight."""
+    return (total + weight * prior) / (count + weight)
 
 
 def alive(session: Session, gap: float, clock: int) -> float:
