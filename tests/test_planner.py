@@ -16,6 +16,7 @@ import textwrap
 from typing import Optional
 
 import numpy as np
+import pytest
 from sglang_hybrid.anchors.detector import AnchorDetector, AnchorKind, Role
 from sglang_hybrid.anchors.hints import validate_hints
 from sglang_hybrid.planning.addresses import FROM_END, AnchorIndex
@@ -546,3 +547,39 @@ def test_decisions_are_a_function_of_the_request_stream_only():
     assert outputs[0] == outputs[1]
     assert any(entry[2] for entry in outputs[0] if isinstance(entry[0], str))
 
+
+
+def test_the_uses_of_one_popular_shared_checkpoint_do_not_raise_the_worth_of_new_content():
+    """A fresh shared-path message start is worth its span at the rate such checkpoints are
+    followed by other sessions, counted once per checkpoint: that every session restores
+    from one of them (the system prompt's end) is that checkpoint's own value, not a sign
+    that sessions follow each other's new content."""
+    system = message("system", text(1, 60))
+
+    def own_messages(tag: int) -> list[list[int]]:
+        return [message("user" if i % 2 == 0 else "assistant", text(tag + i, 20)) for i in range(6)]
+
+    def fresh_worth_per_token(followers: int) -> tuple[float, int]:
+        planner = CheckpointPlanner()
+        store = PrefixStore(planner)
+        store.serve("leader", *request([system, *own_messages(100)], text(99, 5)))
+        for follower in range(followers):
+            # No checkpoints of their own (not even a branch): they restore the leader's.
+            prompt, output = request([system, *own_messages(200 + 100 * follower)], text(98, 5))
+            _, restored = store.serve(f"follower-{follower}", prompt, output,
+                                      hint=validate_hints("none", len(prompt), 8))
+            assert restored == len(system)
+        prompt, output = request([system, *own_messages(5000)], text(97, 5))
+        plan, _ = store.serve("new", prompt, output)
+        starts = DETECTOR.detect(prompt).of_kind(AnchorKind.MESSAGE_START).tolist()
+        spans = {depth: depth - previous for previous, depth in zip(starts, starts[1:])}
+        worth = max(c.value / spans[c.depth] for c in plan.checkpoints
+                    if c.purpose is Purpose.SHARED_PATH and c.depth > len(system))
+        system_end = next(checkpoint for checkpoint, record in planner.records.items()
+                          if record.depth == len(system) and record.session == "leader")
+        return worth, planner.records[system_end].uses
+
+    once, used_once = fresh_worth_per_token(1)
+    often, used_often = fresh_worth_per_token(6)
+    assert (used_once, used_often) == (2, 7)  # the followers and the new session
+    assert once > 0.0 and often == pytest.approx(once)

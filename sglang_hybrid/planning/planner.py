@@ -121,8 +121,9 @@ class CheckpointPlanner:
         if ctx.restored is not None and ctx.restored in self.records:
             restored = self.records[ctx.restored]
             restored.uses += 1
-            if restored.purpose is Purpose.SHARED_PATH and restored.session != ctx.session:
-                self.stream.shared_uses += 1
+            if restored.purpose is Purpose.SHARED_PATH and restored.session != ctx.session and not restored.followed:
+                restored.followed = True
+                self.stream.shared_followed += 1
         self._follow(ctx, session)
 
         index = AnchorIndex(ctx.anchors, prompt_len)

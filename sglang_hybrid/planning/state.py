@@ -95,6 +95,8 @@ class Record:
     span: int = 0
     # SHARED_PATH: digest of the message that ends at the checkpoint.
     message: bytes = b""
+    # SHARED_PATH: whether another session has restored from it.
+    followed: bool = False
 
 
 @dataclass
@@ -151,10 +153,12 @@ class StreamStats:
     edits_after: Counter = field(default_factory=Counter)
     gap_total: int = 0  # requests of any session between consecutive requests of one session
     gaps_after: Counter = field(default_factory=Counter)  # gap_total by the ending before them
-    # SHARED_PATH checkpoints recorded, and restores from them by other sessions: how often
-    # the stream's sessions follow each other's new content.
+    # SHARED_PATH checkpoints recorded, and of those, the ones another session restored from:
+    # how often the stream's sessions follow each other's new content. (Counted once per
+    # checkpoint: a system prompt every session restores from is one popular checkpoint, its
+    # own uses tell its value, not a reason to expect other message starts to be followed.)
     shared_taken: int = 0
-    shared_uses: int = 0
+    shared_followed: int = 0
     # Whether a follower had repeated its leader's whole prompt -> its next requests seen,
     # and of those, the ones that left the same leader's prompt at a message start.
     follow_seen: dict[bool, int] = field(default_factory=lambda: {True: 0, False: 0})
