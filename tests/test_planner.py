@@ -583,3 +583,27 @@ def test_the_uses_of_one_popular_shared_checkpoint_do_not_raise_the_worth_of_new
     often, used_often = fresh_worth_per_token(6)
     assert (used_once, used_often) == (2, 7)  # the followers and the new session
     assert once > 0.0 and often == pytest.approx(once)
+
+
+def test_a_full_pool_does_not_trade_message_starts_for_fresher_ones_worth_less_than_a_capture():
+    """Every request computing new content proposes its message starts for sessions that may
+    follow it; unfollowed, each is worth a fraction of a token, fading as it ages. A fresh one
+    is always worth a little more than an older one, but taking it costs a capture (about a
+    prefill token): with the pool full of them, the next requests' message starts do not
+    displace them, while an own checkpoint worth more than the least valuable held still does."""
+    system = message("system", text(1, 40))
+    planner = CheckpointPlanner()
+    store = PrefixStore(planner, budget=24, evict=True)
+
+    def fresh_prompt(tag: int) -> tuple[np.ndarray, np.ndarray]:
+        return request([system, *(message("user" if i % 2 == 0 else "assistant", text(tag + i, 40))
+                                  for i in range(12))], text(tag + 99, 5))
+
+    for tag in range(0, 20_000, 1000):
+        store.serve(f"s{tag}", *fresh_prompt(tag))
+    assert len(store.checkpoints) == store.budget
+    for tag in range(20_000, 24_000, 1000):
+        plan, _ = store.serve(f"s{tag}", *fresh_prompt(tag))
+        shared = [c for c in plan.checkpoints if c.purpose is Purpose.SHARED_PATH]
+        assert shared == [], shared
+        assert Purpose.PROMPT_TAIL in {c.purpose for c in plan.checkpoints}

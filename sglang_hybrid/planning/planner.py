@@ -55,7 +55,7 @@ from sglang_hybrid.planning.addresses import AnchorIndex
 from sglang_hybrid.planning.edit_model import EditModel
 from sglang_hybrid.planning.following import PrefixProducers, prefix_digests
 from sglang_hybrid.planning.state import (
-    PRIOR_EDITS, SHARED_PURPOSES, CheckpointPlan, PlannedCheckpoint, Purpose, Record, RequestContext, Session,
+    CAPTURE_COST_TOKENS, PRIOR_EDITS, SHARED_PURPOSES, CheckpointPlan, PlannedCheckpoint, Purpose, Record, RequestContext, Session,
     StreamStats,
 )
 from sglang_hybrid.planning.valuation import RestoreShares, checkpoint_value, edit_probability, restore_shares
@@ -236,6 +236,7 @@ class CheckpointPlanner:
             if depth > max(lowest, ctx.tree_lcp) and depth < prompt_len - 1 and depth not in candidates:
                 propose(depth, Purpose.SHARED_PATH)
                 session.planned_spans[depth] = depth - max(previous, lowest)
+                self.stream.shared_proposed += 1
         return sorted(candidates.items())
 
     @staticmethod
@@ -287,7 +288,10 @@ class CheckpointPlanner:
                 if held_values is None:
                     held_values = [self.value(held, record.depth) for held, record in self.records.items()]
                     heapq.heapify(held_values)
-                if not held_values or checkpoint.value <= held_values[0]:
+                # A new content's message starts come by the dozen per request, each worth a
+                # fraction of a token: one displacing another must also pay for its capture.
+                margin = CAPTURE_COST_TOKENS if checkpoint.purpose is Purpose.SHARED_PATH else 0.0
+                if not held_values or checkpoint.value <= held_values[0] + margin:
                     continue
                 # Each admission without a free slot displaces the least valuable held
                 # checkpoint, which is then no longer the bar for the next one.
@@ -322,8 +326,6 @@ class CheckpointPlanner:
             raise KeyError(f"session {session!r} was never planned")
         self._drop_record(checkpoint)
         self.records[checkpoint] = self._new_record(session, depth, purpose)
-        if purpose is Purpose.SHARED_PATH:
-            self.stream.shared_taken += 1
         owner.on_path[checkpoint] = depth
         self._session_changed(session)
 

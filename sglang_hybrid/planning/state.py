@@ -21,6 +21,9 @@ from sglang_hybrid.planning.edit_model import EditModel
 PRIOR_EDITS = 2
 # How many of a session's gaps between requests the stream's mean gap weighs as.
 PRIOR_GAPS = 2
+# What taking a checkpoint costs, in prefill tokens: copying the recurrent state takes as long
+# as prefilling 0.5-2.1 tokens in the replay's cost profiles (replay/cost_model.py).
+CAPTURE_COST_TOKENS = 1.0
 # Prompt prefixes (at message starts) whose first producer the planner remembers, to tell which
 # session a request follows; the oldest are forgotten first.
 MAX_REMEMBERED_PREFIXES = 1 << 16
@@ -153,11 +156,13 @@ class StreamStats:
     edits_after: Counter = field(default_factory=Counter)
     gap_total: int = 0  # requests of any session between consecutive requests of one session
     gaps_after: Counter = field(default_factory=Counter)  # gap_total by the ending before them
-    # SHARED_PATH checkpoints recorded, and of those, the ones another session restored from:
-    # how often the stream's sessions follow each other's new content. (Counted once per
-    # checkpoint: a system prompt every session restores from is one popular checkpoint, its
-    # own uses tell its value, not a reason to expect other message starts to be followed.)
-    shared_taken: int = 0
+    # Message starts of new content proposed as SHARED_PATH checkpoints, and the checkpoints
+    # taken at them that another session restored from: how often the stream's sessions follow
+    # each other's new content. Counted per proposal, so that how many the pool admits does not
+    # move the estimate; and once per checkpoint: a system prompt every session restores from
+    # is one popular checkpoint, its own uses tell its value, not that other message starts
+    # will be followed.
+    shared_proposed: int = 0
     shared_followed: int = 0
     # Whether a follower had repeated its leader's whole prompt -> its next requests seen,
     # and of those, the ones that left the same leader's prompt at a message start.

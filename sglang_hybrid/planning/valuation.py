@@ -38,9 +38,9 @@ def own_value(session: Session, record: Record, checkpoint: Optional[CheckpointI
         # taken, over one of its owner's gaps (the unit of the own values it competes with):
         # a system prompt every session restores from is worth its span once per session.
         # A branch point has been passed by two sessions already: its taking counts as one
-        # use; a shared-path message start, as the fraction of those that another session
-        # restored from.
-        prior = 1.0 if purpose is Purpose.BRANCH else (stream.shared_followed + 1) / (stream.shared_taken + 2)
+        # use; a shared-path message start, as the fraction of those proposed that another
+        # session restored from.
+        prior = 1.0 if purpose is Purpose.BRANCH else (stream.shared_followed + 1) / (stream.shared_proposed + 2)
         rate = (record.uses + prior) / (stream.clock - created + gap)
         return record.span * rate * gap
     if checkpoint is not None and checkpoint not in session.on_path:
