@@ -94,10 +94,10 @@ class CheckpointPlanner:
         # per checkpoint, whatever the number of checkpoints a session holds.
         self._shares: dict[str, RestoreShares] = {}
         # Held checkpoint -> its value, until the clock moves or what it reads changes: its
-        # session's state for an own checkpoint (under ``_session_changed`` of its session),
-        # any session's for one serving others (``None``'s group). The eviction that follows
-        # an admission against a full pool values the same pool; the one a finished request
-        # causes values again only that request's session and the shared checkpoints.
+        # session's state for an own checkpoint (under ``_session_changed`` of its session);
+        # one serving others (``None``'s group) reads only what changes with the clock. The
+        # eviction that follows an admission against a full pool values the same pool; the
+        # one a finished request causes values again only that request's session.
         self._values: dict[Optional[str], dict[CheckpointId, float]] = {}
 
     @property
@@ -365,13 +365,12 @@ class CheckpointPlanner:
             self._session_changed(record.session)
 
     def _session_changed(self, session: str) -> None:
-        """``session``'s checkpoints, predictions or sequence changed: the values that read
-        them -- its own checkpoints', and those serving other sessions (their use counts and
-        followers) -- are computed again. The stream's counters change only while planning,
-        which starts a new clock tick."""
+        """``session``'s checkpoints, predictions or sequence changed: its own checkpoints'
+        values are computed again. Those serving other sessions read only what changes while
+        planning (use counts, followers, gaps, the stream's counters), which starts a new clock
+        tick and computes every value again."""
         self._shares.pop(session, None)
         self._values.pop(session, None)
-        self._values.pop(None, None)
 
     # ---- valuation ----
 
