@@ -607,3 +607,26 @@ def test_a_full_pool_does_not_trade_message_starts_for_fresher_ones_worth_less_t
         shared = [c for c in plan.checkpoints if c.purpose is Purpose.SHARED_PATH]
         assert shared == [], shared
         assert Purpose.PROMPT_TAIL in {c.purpose for c in plan.checkpoints}
+
+
+def test_a_masking_window_not_yet_full_predicts_its_first_observation_ahead():
+    """Sessions that mask all but their last ``keep`` observations taught the planner the
+    rule (the n-th observation from the end); a new session holding fewer observations has
+    no n-th one yet, but once its window fills the rule names its first observation. That
+    point is predicted before then, its share divided by the requests until the edit."""
+    keep, planner = 3, CheckpointPlanner()
+    store = PrefixStore(planner)
+    for tag in (0, 10_000, 20_000):
+        for prompt, output in last_n_session(8, keep=keep, tag=tag):
+            store.serve(f"trained-{tag}", prompt, output)
+    calls = last_n_session(8, keep=keep, tag=30_000)
+    masks_first = keep + 1  # the first request that masks an observation
+    before = np.concatenate([calls[masks_first - 1][0], calls[masks_first - 1][1][:-1]])
+    first_observation = divergence(calls[masks_first][0], before) - TOOL_RESULT_HEADER
+    predicted = []
+    for step, (prompt, output) in enumerate(calls[: masks_first + 1]):
+        store.serve("young", prompt, output)
+        if step < masks_first and first_observation < len(prompt):
+            predicted.append(planner.sessions["young"].predictions.get(first_observation, 0.0))
+    # Predicted from the first observation on, more as the window fills.
+    assert len(predicted) == keep and 0.0 < predicted[0] < predicted[1] < predicted[2], predicted

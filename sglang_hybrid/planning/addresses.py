@@ -66,6 +66,19 @@ class AnchorIndex:
                 addresses.append((AFTER_LAST_USER, kind, role, mine - after + 1))
         return addresses
 
+    def position_ahead(self, address: Address) -> Optional[tuple[int, int]]:
+        """Where ``address`` will name a point once the sequence grows, and how many more
+        anchors of its kind must come first: a window of the last n events names nothing
+        while the session holds fewer, and once it fills it names the oldest of them (the
+        first observation a masking agent hides). None for the other addresses, and for one
+        that names a point now (``position_of``)."""
+        if address[0] != FROM_END:
+            return None
+        positions = self.by_key.get((address[1], address[2]))
+        if positions is None or not 0 < positions.size < address[3]:
+            return None
+        return int(positions[0]), address[3] - positions.size
+
     def position_of(self, address: Address) -> Optional[int]:
         kind = address[0]
         if kind == ABSOLUTE:
