@@ -55,8 +55,8 @@ from sglang_hybrid.planning.addresses import AnchorIndex
 from sglang_hybrid.planning.edit_model import EditModel
 from sglang_hybrid.planning.following import PrefixProducers, prefix_digests
 from sglang_hybrid.planning.state import (
-    CAPTURE_COST_TOKENS, PRIOR_EDITS, SHARED_PURPOSES, CheckpointPlan, PlannedCheckpoint, Purpose, Record, RequestContext, Session,
-    StreamStats,
+    CAPTURE_COST_TOKENS, PRIOR_EDITS, SHARED_PURPOSES, CheckpointPlan, PlannedCheckpoint, Purpose, Record,
+    RequestContext, Session, StreamStats,
 )
 from sglang_hybrid.planning.valuation import RestoreShares, checkpoint_value, edit_probability, restore_shares
 
