@@ -34,7 +34,8 @@ use it does) x (depth - the session's shared base) -- for checkpoints that serve
 their use rate x what they save over the shared checkpoint before them -- ranks candidates for
 admission and held checkpoints for eviction (the cache's planning ``value``), so
 a flood of message-start checkpoints never pushes out the continuation states the next turns
-need.
+need; and a message start displaces a held checkpoint only if it is worth its capture
+(``CAPTURE_COST_TOKENS``) more, so fresh ones do not churn through older ones.
 
 Every decision is a deterministic function of the request stream: the clock is the number of
 requests planned, no randomness, no wall time, and no iteration over hash-ordered containers,
