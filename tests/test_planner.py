@@ -548,7 +548,6 @@ def test_decisions_are_a_function_of_the_request_stream_only():
     assert any(entry[2] for entry in outputs[0] if isinstance(entry[0], str))
 
 
-
 def test_the_uses_of_one_popular_shared_checkpoint_do_not_raise_the_worth_of_new_content():
     """A fresh shared-path message start is worth its span at the rate such checkpoints are
     followed by other sessions, counted once per checkpoint: that every session restores

@@ -47,7 +47,6 @@ def own_value(session: Session, record: Record, checkpoint: Optional[CheckpointI
         return 0.0
     if shares is None:
         shares = restore_shares(session, [*session.on_path.values(), *planned, depth])
-    gap = mean_gap(session, stream)
     # An append restores from the end state at the session's next request, which comes
     # sooner than its mean gap after a tool call (the tool's result is sent back at once) and
     # later after an answer (a user types the next turn): the sooner, the more requests the
