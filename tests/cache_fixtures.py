@@ -12,10 +12,11 @@ from __future__ import annotations
 import hashlib
 from typing import Optional, Sequence
 
+import numpy as np
 import torch
 
 from sglang_hybrid.anchors.detector import NO_ANCHORS
-from sglang_hybrid.cache.planning import CheckpointId
+from sglang_hybrid.cache.planning import CheckpointId, Tier
 from sglang_hybrid.cache.semantic_cache import SemanticStateCache
 from sglang_hybrid.config import SemanticCacheConfig
 from sglang_hybrid.harness.lifecycle import RequestLifecycle
@@ -44,6 +45,7 @@ class ValueByDepth:
     def __init__(self):
         self.moves: list[tuple[CheckpointId, CheckpointId]] = []
         self.evictions: list[CheckpointId] = []
+        self.depths: dict[CheckpointId, int] = {}  # the generation-end checkpoints held
 
     def plan(self, request):
         return []
@@ -54,14 +56,26 @@ class ValueByDepth:
     def value(self, checkpoint, depth):
         return float(depth)
 
+    def device_values(self, num_slots):
+        values = np.zeros(num_slots)
+        for checkpoint, depth in self.depths.items():
+            if checkpoint.tier is Tier.DEVICE:
+                values[checkpoint.slot] = depth
+        return values
+
     def moved(self, old, new):
         self.moves.append((old, new))
+        self.depths[new] = self.depths.pop(old)
 
     def evicted(self, checkpoint):
         self.evictions.append(checkpoint)
+        self.depths.pop(checkpoint)
 
     def finished(self, rid, cached, prompt_len, end, free):
-        pass
+        if end is not None:
+            self.depths[end] = len(cached)
+        for checkpoint in free:
+            self.depths.pop(checkpoint, None)
 
     def released(self, rid):
         pass

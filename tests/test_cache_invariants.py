@@ -17,6 +17,7 @@ The default run is a few thousand operations; ``pytest -m stress`` runs about 10
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
@@ -197,6 +198,19 @@ class SemanticCacheMachine(RuleBasedStateMachine):
         lru = self.cache.tree_core.lru_lists[MAMBA]
         holders = {n.id for n in tree_nodes(self.cache) if n.component_data[MAMBA].value is not None}
         assert set(lru.cache) == holders
+        # The component's slot map and recency stamps, which eviction reads instead of the
+        # list, hold the same nodes in the same order.
+        mamba = self.cache.components[MAMBA]
+        held_slots = np.flatnonzero(mamba.slot_held)
+        assert {mamba.slot_holders[s].id for s in held_slots} == holders
+        for slot in held_slots:
+            assert int(mamba.slot_holders[slot].component_data[MAMBA].value) == slot
+        by_recency = [mamba.slot_holders[s].id for s in held_slots[np.argsort(mamba.slot_recency[held_slots])]]
+        walked, node = [], lru.tail.lru_prev[lru._pt]  # least recent first, locked ones too
+        while node is not lru.head:
+            walked.append(node.id)
+            node = node.lru_prev[lru._pt]
+        assert by_recency == walked
 
     @invariant()
     def pools_are_conserved(self):

@@ -1,12 +1,13 @@
 """The semantic cache's eviction victim is the brute-force minimum of the planner's values.
 
-Victim selection remembers each node's checkpoint and depth, the planner remembers held values
-until its session's state changes, and one eviction call puts its candidates in a heap once,
-valuing a popped one again (a victim leaving raises its session's other values). On random agent
-sessions (appends, edits in the middle, repeats; message starts for the planner's anchors)
-through the real cache this checks that the victim is the one a scan computing everything
-afresh picks (the lowest value, ties to the least recently restored), and that a cache picking
-every victim by such a scan ends every request holding the same checkpoints.
+The planner keeps every held checkpoint's value in a table (``HeldValues``) between the changes
+that move it, and the cache picks victims from it by slot with its own recency stamps, walking
+neither the tree nor the LRU list. On random agent sessions (appends, edits in the middle,
+repeats; message starts for the planner's anchors) through the real cache this checks that the
+victim is the one a scan computing everything afresh picks (the lowest value, ties to the least
+recently restored), that a cache picking every victim by such a scan ends every request holding
+the same checkpoints, and that every value in the table equals a fresh valuation after each
+request and each eviction.
 """
 
 from __future__ import annotations
@@ -92,7 +93,6 @@ def test_victim_is_the_brute_force_minimum(seed, slots, steps):
     component = policy.cache.components[MAMBA]
     for _ in drive(random_sessions(seed, steps), [policy]):
         victim, value = component._pick_victim()
-        component.victim_order = None  # no eviction call is under way
         assert (victim, value) == brute_force_victim(policy)
 
 
@@ -103,3 +103,23 @@ def test_evicting_in_order_keeps_what_a_brute_force_scan_keeps(seed, slots, step
     scanned.cache.components[MAMBA]._pick_victim = lambda: brute_force_victim(scanned)
     for _ in drive(random_sessions(seed, steps), [ordered, scanned]):
         assert held(ordered) == held(scanned)
+
+
+def assert_values_are_fresh(planner) -> None:
+    for checkpoint, record in planner.records.items():
+        fresh = checkpoint_value(record, checkpoint, planner.sessions, planner.stream)
+        assert planner.value(checkpoint, record.depth) == fresh, (checkpoint, record)
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(**SESSIONS)
+def test_held_values_equal_fresh_valuations_after_every_change(seed, slots, steps):
+    """The planner's table of held values (``HeldValues``) keeps values between changes; after
+    every request, and after each of the evictions that follow it, every one equals a fresh
+    scalar valuation."""
+    policy = replay_policy(slots + 4)
+    for _ in drive(random_sessions(seed, steps), [policy]):
+        assert_values_are_fresh(policy.planner)
+        for _ in range(2):
+            policy.cache.evict_checkpoints(1)
+            assert_values_are_fresh(policy.planner)

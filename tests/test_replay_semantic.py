@@ -8,9 +8,9 @@ repeat restores the prompt tail (len(prompt) - 1).
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
-from sglang_hybrid.cache.planning import CheckpointId
 from sglang_hybrid.replay.cost_model import get_profile
 from sglang_hybrid.replay.policies import POLICIES, drive
 from sglang_hybrid.replay.policies.semantic import SemanticPolicy, tiny_state_spec
@@ -76,14 +76,14 @@ def test_budget_bounds_the_pool_and_eviction_runs_through_the_planner(monkeypatc
     sessions = [last_n_session(6, tag=1000 * i) for i in range(4)]
     requests = [as_request(f"s{i}", step, calls[step]) for step in range(6) for i, calls in enumerate(sessions)]
     policy = small_policy(3)
-    scored: list[tuple[CheckpointId, int]] = []
-    planner_value = policy.planner.value
+    scored: list[int] = []
+    planner_values = policy.planner.device_values
 
-    def recording_value(checkpoint: CheckpointId, depth: int) -> float:
-        scored.append((checkpoint, depth))
-        return planner_value(checkpoint, depth)
+    def recording_values(num_slots: int) -> np.ndarray:
+        scored.append(num_slots)
+        return planner_values(num_slots)
 
-    monkeypatch.setattr(policy.planner, "value", recording_value)
+    monkeypatch.setattr(policy.planner, "device_values", recording_values)
     for step, (outcome,) in drive(requests, [policy]):
         assert outcome.cached_tokens + outcome.recomputed_tokens == outcome.prompt_tokens
         assert outcome.cached_tokens <= step.reuse_limit

@@ -75,6 +75,10 @@ class CheckpointPlanning(Protocol):
     def value(self, checkpoint: CheckpointId, depth: int) -> float:
         """What keeping the checkpoint at ``depth`` is worth; the lowest is evicted first."""
 
+    def device_values(self, num_slots: int) -> np.ndarray:
+        """``value`` of every device checkpoint, indexed by slot (0 for a slot holding none
+        the planning knows of): eviction reads them all for each victim."""
+
     def moved(self, old: CheckpointId, new: CheckpointId) -> None:
         """The cache moved a checkpoint between its tiers."""
 

@@ -155,7 +155,6 @@ class SemanticStateCache(UnifiedRadixCache):
             return super().evict(EvictParams(num_tokens=0, mamba_num=num)).mamba_num_evicted
         finally:
             self.evicting_checkpoints = False
-            self.components[MAMBA].victim_order = None
 
     def evict(self, params: EvictParams) -> EvictResult:
         result = super().evict(self._without_live_state_request(params))
@@ -477,6 +476,4 @@ class SemanticStateCache(UnifiedRadixCache):
             self._staged.clear()
             self._planned.clear()
             self.checkpoint_pool.clear()
-            mamba = self.components[MAMBA]
-            mamba.host_slots.clear()
-            mamba.host_lru.clear()
+            self.components[MAMBA].clear_checkpoints()

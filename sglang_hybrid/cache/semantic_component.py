@@ -5,7 +5,9 @@ its node's KV. This one keeps ``StateCheckpointPool`` slots and
 
 * refreshes a checkpoint's recency only when a request restores from it, not on probe matches;
 * evicts a checkpoint alone, keeping its KV matchable (a tombstone), choosing the least
-  recently restored one or, when the cache's planning evicts by value, the one worth least;
+  recently restored one or, when the cache's planning evicts by value, the one worth least
+  (ties to the least recent), from its own slot -> node map and recency stamps, without a
+  walk over the tree or the LRU list;
 * with a host tier, demotes a device victim to host memory instead of dropping it, and
   promotes it back in the match that restores from it (or restores straight from the host
   when no device slot can be had). The node keeps no device value meanwhile; its host slot is
@@ -14,11 +16,10 @@ its node's KV. This one keeps ``StateCheckpointPool`` slots and
 
 from __future__ import annotations
 
-import heapq
-
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Optional
 
+import numpy as np
 import torch
 
 from sglang.srt.mem_cache.base_prefix_cache import InsertParams, InsertResult, MatchPrefixParams, MatchResult
@@ -59,9 +60,15 @@ class SemanticMambaComponent(MambaComponent):
         # Checkpoints demoted to the host tier: node id -> host slot, and their recency.
         self.host_slots: dict[int, torch.Tensor] = {}
         self.host_lru: OrderedDict[int, "UnifiedTreeNode"] = OrderedDict()
-        # During one eviction call, the candidates still to pick from, the next victim last
-        # (``_pick_victim``); None outside one.
-        self.victim_order: Optional[list] = None
+        # Device slot -> the node holding its checkpoint, and when that node was last put at
+        # the MRU end of SGLang's MAMBA LRU list (inserted, set or restored): the same order,
+        # kept by slot so that victim selection reads arrays instead of walking the list.
+        # An entry stays until its slot holds another checkpoint; ``slot_held`` marks the live ones.
+        num_slots = self.checkpoint_pool.num_slots + 1  # slots are 1..num_slots
+        self.slot_holders: list[Optional["UnifiedTreeNode"]] = [None] * num_slots
+        self.slot_held = np.zeros(num_slots, dtype=bool)
+        self.slot_recency = np.zeros(num_slots)
+        self._recency_clock = 0.0
 
     @property
     def checkpoint_pool(self) -> StateCheckpointPool:
@@ -91,6 +98,7 @@ class SemanticMambaComponent(MambaComponent):
         if node.component_data[MAMBA].value is not None or from_host:
             if node.component_data[MAMBA].value is not None:
                 self.tree_core.lru_lists[MAMBA].reset_node_mru(node)
+                self._touched(node)
             node.last_access_time = get_and_increase_time_counter()
             stats.restored += 1
             stats.restored_from_host += int(from_host)
@@ -171,6 +179,7 @@ class SemanticMambaComponent(MambaComponent):
             return
         self.host_tier.promote(host_slot, device_slot)
         self.tree_core.set_component_device_value(node.id, MAMBA, device_slot)
+        self._touched(node)
         self.cache.stats.promoted += 1
         self.cache.checkpoint_moved(CheckpointId.host(host_slot), CheckpointId.device(device_slot))
 
@@ -220,6 +229,7 @@ class SemanticMambaComponent(MambaComponent):
         super().commit_insert_component_data(
             node, is_new_leaf, params, result, cache_actions
         )
+        self._touched(node)
         if had_value:
             self.cache.stats.duplicates += 1
         else:
@@ -229,8 +239,11 @@ class SemanticMambaComponent(MambaComponent):
     def evict_component(
         self, node, device_frees, host_frees, cache_actions, target=EvictLayer.DEVICE
     ):
-        held = node.component_data[MAMBA].value is not None or node.id in self.host_slots
+        device_slot = node.component_data[MAMBA].value
+        held = device_slot is not None or node.id in self.host_slots
         freed = super().evict_component(node, device_frees, host_frees, cache_actions, target)
+        if device_slot is not None and node.component_data[MAMBA].value is None:
+            self.slot_held[int(device_slot)] = False
         if self._lru_victim_walk:
             return freed
         self._drop_host_copy(node)
@@ -275,75 +288,53 @@ class SemanticMambaComponent(MambaComponent):
         self.tree_core._update_evictable_leaf_sets(victim)
         return None
 
+    def _touched(self, node: "UnifiedTreeNode") -> None:
+        """``node``'s checkpoint went to the MRU end of the MAMBA LRU list."""
+        slot = int(node.component_data[MAMBA].value)
+        self._recency_clock += 1.0
+        self.slot_holders[slot] = node
+        self.slot_held[slot] = True
+        self.slot_recency[slot] = self._recency_clock
+
     def _pick_victim(self) -> tuple[Optional["UnifiedTreeNode"], Optional[float]]:
         """The device victim and its value (None when eviction follows recency): the unlocked
-        checkpoint the planning values least, ties to the least recently restored.
-
-        Within one ``SemanticStateCache.evict_checkpoints`` call the first pick values every
-        candidate once, into a heap. A victim leaving can only raise the values of the
-        checkpoints left (a shallower one of its session becomes the deepest for its restore
-        points), so a popped entry is valued again: if it rose it goes back in, else no entry
-        below it can be worth less now and it is the victim."""
+        checkpoint the planning values least, ties to the least recently restored."""
         planning = self.cache.eviction_valuation
-        lru = self.tree_core.lru_lists[MAMBA]
         if planning is None:
-            return lru.get_lru_no_lock(), None
-        if self.victim_order is None:
-            self.victim_order = self._ordered_candidates(planning)
-        order = self.victim_order
-        while order:
-            value, rank, node = heapq.heappop(order)
-            if node.component_data[MAMBA].value is None or node.component_data[MAMBA].lock_ref != 0:
-                continue
-            now = planning.value(*held_checkpoint(node))
-            if now > value:
-                heapq.heappush(order, (now, rank, node))
-                continue
-            return node, value
+            return self.tree_core.lru_lists[MAMBA].get_lru_no_lock(), None
+        slots = np.flatnonzero(self.slot_held)
+        values = planning.device_values(self.slot_held.shape[0])[slots]
+        recency = self.slot_recency[slots]
+        while slots.shape[0]:
+            lowest = values.min()
+            tied = np.flatnonzero(values == lowest)
+            pick = tied[np.argmin(recency[tied])]
+            node = self.slot_holders[int(slots[pick])]
+            if node.component_data[MAMBA].lock_ref == 0:
+                return node, float(lowest)
+            # A running request holds it.
+            slots, values, recency = (np.delete(array, pick) for array in (slots, values, recency))
         return None, None
 
-    def _ordered_candidates(self, planning) -> list[tuple[float, int, "UnifiedTreeNode"]]:
-        """A heap of (value, recency rank, node) of the unlocked device checkpoints: the
-        lowest value first, the least recent (rank 0) first among equals."""
-        # The list's own pointers, walked here: its get_prev_no_lock costs ~1.5 us a node.
-        lru = self.tree_core.lru_lists[MAMBA]
-        pointer, head = lru._pt, lru.head
-        node, rank, order = lru.tail.lru_prev[pointer], 0, []
-        while node is not head:
-            if node.component_data[MAMBA].lock_ref == 0:
-                order.append((planning.value(*held_checkpoint(node)), rank, node))
-                rank += 1
-            node = node.lru_prev[pointer]
-        heapq.heapify(order)
-        return order
-
-
-def held_checkpoint(node: "UnifiedTreeNode") -> tuple[CheckpointId, int]:
-    """The device checkpoint ``node`` holds and its depth (tokens from the root to the node's
-    end), remembered on the node: a node keeps its depth for life (a split puts the new node
-    above it), and reading a slot tensor or walking to the root on every eviction scan is what
-    made victim selection slow. The memo follows the slot: a new value is read again."""
-    slot = node.component_data[MAMBA].value
-    memo = getattr(node, "semantic_checkpoint_memo", None)
-    if memo is None or memo[0] is not slot:
-        remember_depth(node, memo[2] if memo is not None else node_depth(node))
-        memo = node.semantic_checkpoint_memo
-    return memo[1], memo[2]
+    def clear_checkpoints(self) -> None:
+        """The cache was reset: no node holds a checkpoint of either tier."""
+        self.host_slots.clear()
+        self.host_lru.clear()
+        self.slot_holders = [None] * len(self.slot_holders)
+        self.slot_held[:] = False
 
 
 def remember_depth(node: "UnifiedTreeNode", depth: int) -> None:
-    """Remember ``node``'s checkpoint and its ``depth`` (``held_checkpoint``'s memo): the
-    attach knows the depth, so no walk to the root is needed for it."""
-    slot = node.component_data[MAMBA].value
-    if slot is not None:
-        node.semantic_checkpoint_memo = (slot, CheckpointId.device(slot), depth)
+    """Remember ``node``'s ``depth`` (``node_depth``): the attach knows it, and a node keeps
+    its depth for life (a split puts the new node above it)."""
+    node.semantic_depth = depth
 
 
 def node_depth(node: "UnifiedTreeNode") -> int:
     """Tokens from the root to the end of ``node``: the position its checkpoint holds."""
-    memo = getattr(node, "semantic_checkpoint_memo", None)
-    if memo is not None:
-        return memo[2]
+    depth = getattr(node, "semantic_depth", None)
+    if depth is not None:
+        return depth
     depth = 0
     walk = node
     while walk.parent is not None:

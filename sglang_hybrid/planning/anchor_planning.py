@@ -100,6 +100,9 @@ class AnchorPlanning:
     def value(self, checkpoint: CheckpointId, depth: int) -> float:
         return self.planner.value(checkpoint, depth)
 
+    def device_values(self, num_slots: int) -> np.ndarray:
+        return self.planner.device_values(num_slots)
+
     def moved(self, old: CheckpointId, new: CheckpointId) -> None:
         if self.planner is not None:
             self.planner.move_record(old, new)

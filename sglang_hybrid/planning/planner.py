@@ -44,7 +44,6 @@ so tensor-parallel ranks running their own planner agree.
 
 from __future__ import annotations
 
-import heapq
 from typing import Iterable, Optional
 
 import numpy as np
@@ -59,7 +58,8 @@ from sglang_hybrid.planning.state import (
     CAPTURE_COST_TOKENS, PRIOR_EDITS, SHARED_PURPOSES, CheckpointPlan, PlannedCheckpoint, Purpose, Record,
     RequestContext, Session, StreamStats,
 )
-from sglang_hybrid.planning.valuation import RestoreShares, checkpoint_value, edit_probability, restore_shares
+from sglang_hybrid.planning.held_values import HeldValues
+from sglang_hybrid.planning.valuation import checkpoint_value, edit_probability
 
 class CheckpointPlanner:
     """Plans checkpoints per request and values held checkpoints for eviction.
@@ -89,17 +89,8 @@ class CheckpointPlanner:
         # Stream-wide edit model: the prior for sessions with little history.
         self.global_model = EditModel(model_capacity, learning_rate)
         self._producers = PrefixProducers()
-        # Session -> how its on-path checkpoints divide its restore points, until its
-        # checkpoints, predictions or sequence change: valuing the held checkpoints (every
-        # admission against a full pool, every eviction call) then costs a few operations
-        # per checkpoint, whatever the number of checkpoints a session holds.
-        self._shares: dict[str, RestoreShares] = {}
-        # Held checkpoint -> its value, until the clock moves or what it reads changes: its
-        # session's state for an own checkpoint (under ``_session_changed`` of its session);
-        # one serving others (``None``'s group) reads only what changes with the clock. The
-        # eviction that follows an admission against a full pool values the same pool; the
-        # one a finished request causes values again only that request's session.
-        self._values: dict[Optional[str], dict[CheckpointId, float]] = {}
+        # Every held checkpoint's value, for admission against a full pool and for eviction.
+        self._held = HeldValues(self.records, self.sessions, self.stream)
 
     @property
     def clock(self) -> int:
@@ -110,7 +101,6 @@ class CheckpointPlanner:
 
     def plan(self, ctx: RequestContext) -> CheckpointPlan:
         self.stream.clock += 1
-        self._values.clear()
         prompt_len = int(ctx.prompt_ids.shape[0])
         session = self.sessions.get(ctx.session)
         own_prefix = 0
@@ -122,6 +112,7 @@ class CheckpointPlanner:
         if ctx.restored is not None and ctx.restored in self.records:
             restored = self.records[ctx.restored]
             restored.uses += 1
+            self._held.record_changed(ctx.restored)
             if restored.purpose is Purpose.SHARED_PATH and restored.session != ctx.session and not restored.followed:
                 restored.followed = True
                 self.stream.shared_followed += 1
@@ -261,7 +252,10 @@ class CheckpointPlanner:
         are valued beside the own ones already admitted (two checkpoints before one restore
         point save what the deeper one saves, once); those for other sessions, on their own."""
         free = ctx.free_slots
-        held_values: Optional[list[float]] = None  # a heap, valued once the free slots are gone
+        # The held values, lowest first, read once the free slots are gone; each admission
+        # without a free slot displaces the lowest, which is then no longer the bar.
+        held_values: Optional[np.ndarray] = None
+        displaced = 0
         shared = sorted((PlannedCheckpoint(depth, purpose, self._candidate_value(ctx.session, depth, purpose, ()))
                          for depth, purpose in candidates if purpose in SHARED_PURPOSES),
                         key=lambda c: (c.value, -c.depth))
@@ -287,16 +281,13 @@ class CheckpointPlanner:
                     continue
             else:
                 if held_values is None:
-                    held_values = [self.value(held, record.depth) for held, record in self.records.items()]
-                    heapq.heapify(held_values)
+                    held_values = self._held.ascending()
                 # A new content's message starts come by the dozen per request, each worth a
                 # fraction of a token: one displacing another must also pay for its capture.
                 margin = CAPTURE_COST_TOKENS if checkpoint.purpose is Purpose.SHARED_PATH else 0.0
-                if not held_values or checkpoint.value <= held_values[0] + margin:
+                if displaced == held_values.shape[0] or checkpoint.value <= held_values[displaced] + margin:
                     continue
-                # Each admission without a free slot displaces the least valuable held
-                # checkpoint, which is then no longer the bar for the next one.
-                heapq.heappop(held_values)
+                displaced += 1
             admitted.append(checkpoint)
             free -= 1
             if checkpoint.purpose not in SHARED_PURPOSES:
@@ -328,6 +319,7 @@ class CheckpointPlanner:
         self._drop_record(checkpoint)
         self.records[checkpoint] = self._new_record(session, depth, purpose)
         owner.on_path[checkpoint] = depth
+        self._held.added(checkpoint)
         self._session_changed(session)
 
     def _new_record(self, session: str, depth: int, purpose: Purpose) -> Record:
@@ -345,11 +337,11 @@ class CheckpointPlanner:
         self._drop_record(new)
         if record is None:
             return
-        self._values.get(_value_group(record), {}).pop(old, None)
         self.records[new] = record
         session = self.sessions[record.session]
         if old in session.on_path:
             session.on_path[new] = session.on_path.pop(old)
+        self._held.moved(old, new)
 
     def forget(self, free: Iterable[CheckpointId]) -> None:
         """Drop what the planner knows about slots the cache reports free (evicted, or a
@@ -361,17 +353,14 @@ class CheckpointPlanner:
         record = self.records.pop(checkpoint, None)
         if record is None:
             return
-        self._values.get(_value_group(record), {}).pop(checkpoint, None)
+        self._held.dropped(checkpoint)
         if self.sessions[record.session].on_path.pop(checkpoint, None) is not None:
             self._session_changed(record.session)
 
     def _session_changed(self, session: str) -> None:
-        """``session``'s checkpoints, predictions or sequence changed: its own checkpoints'
-        values are computed again. Those serving other sessions read only what changes while
-        planning (use counts, followers, gaps, the stream's counters), which starts a new clock
-        tick and computes every value again."""
-        self._shares.pop(session, None)
-        self._values.pop(session, None)
+        """``session``'s checkpoints, predictions or sequence changed: its checkpoints' values
+        are computed again (every value is, once the clock moves)."""
+        self._held.changed(session)
 
     # ---- valuation ----
 
@@ -383,20 +372,9 @@ class CheckpointPlanner:
         record = self.records.get(checkpoint)
         if record is None or record.depth != depth:
             return 0.0
-        group = self._values.setdefault(_value_group(record), {})
-        value = group.get(checkpoint)
-        if value is not None:
-            return value
-        session = self.sessions[record.session]
-        shares = None
-        if record.purpose not in SHARED_PURPOSES and checkpoint in session.on_path:
-            shares = self._shares.get(record.session)
-            if shares is None:
-                shares = self._shares[record.session] = restore_shares(session, session.on_path.values())
-        value = group[checkpoint] = checkpoint_value(record, checkpoint, self.sessions, self.stream, shares=shares)
-        return value
+        return self._held.value(checkpoint)
 
-
-def _value_group(record: Record) -> Optional[str]:
-    """Which memo of ``CheckpointPlanner._values`` holds the record's value."""
-    return None if record.purpose in SHARED_PURPOSES else record.session
+    def device_values(self, num_slots: int) -> np.ndarray:
+        """What keeping each device checkpoint is worth, indexed by slot (0: a slot holding
+        none the planner knows of)."""
+        return self._held.by_device_slot(num_slots)

@@ -1,0 +1,232 @@
+"""The values of every held checkpoint at once: ``valuation.checkpoint_value`` evaluated over
+the rows of one table, one row per checkpoint.
+
+Admission against a full pool compares each candidate with the lowest held value and every
+eviction takes the lowest, so both need all of them, and every request moves the clock that
+they read (how long a session has been silent, the rate a shared checkpoint is used at) and the
+stream's counters behind every session's priors: each request values the whole pool again.
+Valued one by one in Python that cost ~3 us a checkpoint (3 ms a request at 1,024 slots).
+Here a session's checkpoints share its few per-request quantities (its mean gap, append
+probability, liveness), what an own checkpoint's depth is worth to its session's restore points
+is kept in its row until the session changes, and the rest is arithmetic over arrays, in the
+order of operations of the scalar functions, so the values are the same floats.
+
+The row of a checkpoint is fixed by where it is (device slot s: row 2s, host slot s: row
+2s + 1), so the device values by slot are every other row. Reads the planner's records,
+sessions and stream counters, which the planner owns; the planner says which records it added,
+dropped, moved or changed and which sessions changed.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping, Optional
+
+import numpy as np
+
+from sglang_hybrid.cache.planning import CheckpointId, Tier
+from sglang_hybrid.planning.state import SHARED_PURPOSES, Purpose, Record, Session, StreamStats
+from sglang_hybrid.planning.valuation import (
+    alive, append_probability, edit_probability, followed_value, mean_gap, next_gap, restore_shares,
+)
+
+# The table's columns. Flags are 0.0 / 1.0.
+SESSION, SHARED, BRANCH, HINT, CREATED, USES, SPAN = range(7)
+# An own checkpoint's, from its session's restore shares: on the session's path, P(its restore
+# points but the end), serves the end of the latest sequence, tokens it saves (at least 1).
+ON_PATH, PREDICTED, SERVES_END, SAVED = range(7, 11)
+COLUMNS = 11
+
+
+def _row(checkpoint: CheckpointId) -> int:
+    return 2 * checkpoint.slot + (checkpoint.tier is Tier.HOST)
+
+
+class HeldValues:
+    """What each held checkpoint is worth, kept for the planner's clock tick: computed for
+    every checkpoint when the clock moves, and for one session's when it changes."""
+
+    def __init__(self, records: Mapping[CheckpointId, Record], sessions: Mapping[str, Session], stream: StreamStats):
+        self._records, self._sessions, self._stream = records, sessions, stream
+        self._table = np.zeros((0, COLUMNS))
+        self._values = np.zeros(0)
+        self._live = np.zeros(0, dtype=bool)
+        self._checkpoints: list[Optional[CheckpointId]] = []  # by row
+        # Session name -> index; each session's rows, and of those its own checkpoints'.
+        self._index: dict[str, int] = {}
+        self._names: list[str] = []
+        self._rows_of: dict[int, set[int]] = {}
+        self._own_rows_of: dict[int, set[int]] = {}
+        # By session index, for the clock tick of the values: mean gap, P(next request
+        # appends) scaled by how soon it comes, P(alive), P(next request edits).
+        self._gap = np.zeros(0)
+        self._appends = np.zeros(0)
+        self._alive = np.zeros(0)
+        self._edit = np.zeros(0)
+        self._clock: Optional[int] = None
+        # Sessions changed since the values were computed (their own rows are read again and
+        # all their rows valued), and rows added or changed (valued again).
+        self._changed: set[int] = set()
+        self._changed_rows: set[int] = set()
+
+    # ---- what the planner tells ----
+
+    def added(self, checkpoint: CheckpointId) -> None:
+        """The planner recorded ``checkpoint`` (``records[checkpoint]``)."""
+        record = self._records[checkpoint]
+        row = _row(checkpoint)
+        if row >= self._live.shape[0]:
+            self._grow(row + 1)
+        session = self._session_index(record.session)
+        self._live[row] = True
+        self._checkpoints[row] = checkpoint
+        self._rows_of.setdefault(session, set()).add(row)
+        shared = record.purpose in SHARED_PURPOSES
+        if not shared:
+            self._own_rows_of.setdefault(session, set()).add(row)
+            self._changed.add(session)  # its own columns are read with its session's
+        self._table[row] = 0.0
+        self._table[row, [SESSION, SHARED, BRANCH, HINT]] = (
+            session, shared, record.purpose is Purpose.BRANCH, record.purpose is Purpose.HINT)
+        self.record_changed(checkpoint)
+
+    def record_changed(self, checkpoint: CheckpointId) -> None:
+        """``records[checkpoint]``'s age, uses or span changed."""
+        record, row = self._records[checkpoint], _row(checkpoint)
+        self._table[row, [CREATED, USES, SPAN]] = (record.created, record.uses, record.span)
+        self._changed_rows.add(row)
+
+    def dropped(self, checkpoint: CheckpointId) -> None:
+        """The planner dropped ``checkpoint``'s record (and says whether its session changed:
+        one on the session's path did, one off it leaves every other value as it was)."""
+        row = _row(checkpoint)
+        session = int(self._table[row, SESSION])
+        self._live[row] = False
+        self._values[row] = 0.0
+        self._checkpoints[row] = None
+        self._changed_rows.discard(row)
+        for rows_of in (self._rows_of, self._own_rows_of):
+            rows = rows_of.get(session)
+            if rows is not None:
+                rows.discard(row)
+                if not rows:
+                    del rows_of[session]
+
+    def moved(self, old: CheckpointId, new: CheckpointId) -> None:
+        """The record of ``old`` is now ``records[new]``."""
+        self.dropped(old)
+        self.added(new)
+
+    def changed(self, session: str) -> None:
+        """``session``'s state changed: its checkpoints' values are computed again."""
+        index = self._index.get(session)
+        if index is not None:
+            self._changed.add(index)
+
+    # ---- values ----
+
+    def value(self, checkpoint: CheckpointId) -> float:
+        self._refresh()
+        return float(self._values[_row(checkpoint)])
+
+    def ascending(self) -> np.ndarray:
+        """Every held checkpoint's value, lowest first."""
+        self._refresh()
+        return np.sort(self._values[self._live])
+
+    def by_device_slot(self, num_slots: int) -> np.ndarray:
+        """Device checkpoints' values indexed by slot; 0 for a slot holding none."""
+        self._refresh()
+        by_slot = np.zeros(num_slots)
+        device = self._values[0::2][:num_slots]
+        by_slot[: device.shape[0]] = device
+        return by_slot
+
+    def _refresh(self) -> None:
+        for session in self._changed:
+            if session in self._own_rows_of:
+                self._read_own_rows(session)
+        if self._clock != self._stream.clock:
+            self._clock = self._stream.clock
+            stale = list(self._rows_of)
+            rows = np.flatnonzero(self._live)
+        else:
+            changed = [session for session in self._changed if session in self._rows_of]
+            row_set = {row for session in changed for row in self._rows_of[session]} | self._changed_rows
+            stale = sorted({*changed, *(int(self._table[row, SESSION]) for row in self._changed_rows)})
+            rows = np.fromiter(sorted(row_set), dtype=np.int64, count=len(row_set))
+        self._changed.clear()
+        self._changed_rows.clear()
+        if not stale:
+            return
+        for session in stale:
+            self._read_session(session)
+        self._evaluate(rows, stale)
+
+    def _evaluate(self, rows: np.ndarray, sessions: list[int]) -> None:
+        table = self._table[rows]
+        session = table[:, SESSION].astype(np.int64)
+        gap = self._gap[session]
+        # Serving other sessions: span x use rate x one of the owner's gaps.
+        stream = self._stream
+        prior = np.where(table[:, BRANCH] > 0.0, 1.0, (stream.shared_followed + 1) / (stream.shared_proposed + 2))
+        rate = (table[:, USES] + prior) / ((self._clock - table[:, CREATED]) + gap)
+        shared = table[:, SPAN] * rate * gap
+        # Own: P(the session's next request restores from it) x P(alive) x tokens saved.
+        probability = table[:, PREDICTED] + table[:, SERVES_END] * self._appends[session]
+        probability = np.where(table[:, HINT] > 0.0, np.maximum(probability, self._edit[session]), probability)
+        kept = (table[:, ON_PATH] > 0.0) & (probability > 0.0)
+        own = np.where(kept, probability * self._alive[session] * table[:, SAVED], 0.0)
+        self._values[rows] = np.where(table[:, SHARED] > 0.0, shared, own)
+        # Plus, for a leader's shared-path checkpoints, what its followers will restore.
+        leaders = [index for index in sessions if self._sessions[self._names[index]].followers]
+        if leaders:
+            following = (table[:, SHARED] > 0.0) & (table[:, BRANCH] == 0.0) & np.isin(session, leaders)
+            for row in rows[following].tolist():
+                record = self._records[self._checkpoints[row]]
+                owner = self._sessions[record.session]
+                self._values[row] += followed_value(owner, record, self._sessions, self._stream)
+
+    # ---- reading the planner's sessions ----
+
+    def _read_session(self, index: int) -> None:
+        session = self._sessions[self._names[index]]
+        gap = mean_gap(session, self._stream)
+        self._gap[index] = gap
+        self._appends[index] = append_probability(session, self._stream) * gap / next_gap(session, self._stream)
+        self._alive[index] = alive(session, gap, self._stream.clock)
+        self._edit[index] = edit_probability(session, self._stream)
+
+    def _read_own_rows(self, index: int) -> None:
+        """What the session's own checkpoints' depths are worth to its restore points
+        (``valuation.RestoreShares``)."""
+        session = self._sessions[self._names[index]]
+        shares = restore_shares(session, session.on_path.values())
+        table = self._table
+        for row in self._own_rows_of[index]:
+            checkpoint = self._checkpoints[row]
+            record = self._records[checkpoint]
+            depth = record.depth
+            below = shares.below(depth) if record.purpose is Purpose.CONTINUATION else 0
+            table[row, ON_PATH:] = (
+                checkpoint in session.on_path, shares.predicted.get(depth, 0.0), depth == shares.end,
+                max(depth - max(session.base_depth, below), 1),
+            )  # fmt: skip
+
+    def _session_index(self, name: str) -> int:
+        index = self._index.get(name)
+        if index is None:
+            index = self._index[name] = len(self._names)
+            self._names.append(name)
+            if index >= self._gap.shape[0]:
+                size = max(16, 2 * self._gap.shape[0])
+                self._gap, self._appends, self._alive, self._edit = (
+                    np.resize(array, size) for array in (self._gap, self._appends, self._alive, self._edit))
+        return index
+
+    def _grow(self, rows: int) -> None:
+        old = self._live.shape[0]
+        size = max(rows, 2 * old, 128)
+        self._table = np.concatenate([self._table, np.zeros((size - old, COLUMNS))])
+        self._values = np.concatenate([self._values, np.zeros(size - old)])
+        self._live = np.concatenate([self._live, np.zeros(size - old, dtype=bool)])
+        self._checkpoints.extend([None] * (size - old))
