@@ -155,6 +155,7 @@ class SemanticStateCache(UnifiedRadixCache):
             return super().evict(EvictParams(num_tokens=0, mamba_num=num)).mamba_num_evicted
         finally:
             self.evicting_checkpoints = False
+            self.components[MAMBA].eviction_values = None
 
     def evict(self, params: EvictParams) -> EvictResult:
         result = super().evict(self._without_live_state_request(params))

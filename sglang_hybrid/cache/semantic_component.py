@@ -69,6 +69,9 @@ class SemanticMambaComponent(MambaComponent):
         self.slot_held = np.zeros(num_slots, dtype=bool)
         self.slot_recency = np.zeros(num_slots)
         self._recency_clock = 0.0
+        # During one eviction call, the device values by slot read at its first pick, each
+        # raised when a later pick finds it rose (``_pick_victim``); None outside one.
+        self.eviction_values: Optional[np.ndarray] = None
 
     @property
     def checkpoint_pool(self) -> StateCheckpointPool:
@@ -298,22 +301,35 @@ class SemanticMambaComponent(MambaComponent):
 
     def _pick_victim(self) -> tuple[Optional["UnifiedTreeNode"], Optional[float]]:
         """The device victim and its value (None when eviction follows recency): the unlocked
-        checkpoint the planning values least, ties to the least recently restored."""
+        checkpoint the planning values least, ties to the least recently restored.
+
+        Within one ``SemanticStateCache.evict_checkpoints`` call the first pick reads every
+        value. A victim leaving can only raise the values of the checkpoints left (a
+        shallower one of its session becomes the deepest for its restore points), so the
+        lowest is asked for again: if it rose it goes back among the others, else none can be
+        worth less now and it is the victim. Asking costs a recomputation only when the
+        planning saw a change that can have moved that value."""
         planning = self.cache.eviction_valuation
         if planning is None:
             return self.tree_core.lru_lists[MAMBA].get_lru_no_lock(), None
+        if self.eviction_values is None:
+            self.eviction_values = planning.device_values(self.slot_held.shape[0])
         slots = np.flatnonzero(self.slot_held)
-        values = planning.device_values(self.slot_held.shape[0])[slots]
-        recency = self.slot_recency[slots]
+        values, recency = self.eviction_values[slots], self.slot_recency[slots]
         while slots.shape[0]:
             lowest = values.min()
             tied = np.flatnonzero(values == lowest)
             pick = tied[np.argmin(recency[tied])]
-            node = self.slot_holders[int(slots[pick])]
-            if node.component_data[MAMBA].lock_ref == 0:
-                return node, float(lowest)
-            # A running request holds it.
-            slots, values, recency = (np.delete(array, pick) for array in (slots, values, recency))
+            slot = int(slots[pick])
+            node = self.slot_holders[slot]
+            if node.component_data[MAMBA].lock_ref != 0:  # a running request holds it
+                slots, values, recency = (np.delete(array, pick) for array in (slots, values, recency))
+                continue
+            now = planning.value(CheckpointId.device(slot), node_depth(node))
+            if now > lowest:
+                self.eviction_values[slot] = values[pick] = now
+                continue
+            return node, now
         return None, None
 
     def clear_checkpoints(self) -> None:
@@ -333,11 +349,11 @@ def remember_depth(node: "UnifiedTreeNode", depth: int) -> None:
 def node_depth(node: "UnifiedTreeNode") -> int:
     """Tokens from the root to the end of ``node``: the position its checkpoint holds."""
     depth = getattr(node, "semantic_depth", None)
-    if depth is not None:
-        return depth
-    depth = 0
-    walk = node
-    while walk.parent is not None:
-        depth += len(walk.key)
-        walk = walk.parent
+    if depth is None:
+        depth = 0
+        walk = node
+        while walk.parent is not None:
+            depth += len(walk.key)
+            walk = walk.parent
+        remember_depth(node, depth)
     return depth

@@ -125,8 +125,15 @@ class HeldValues:
     # ---- values ----
 
     def value(self, checkpoint: CheckpointId) -> float:
-        self._refresh()
-        return float(self._values[_row(checkpoint)])
+        """Computed again only if a change since the last computation can have moved it: the
+        clock, its record, or for an own checkpoint its session (a session's state is read by
+        its own checkpoints' values only, until the clock moves)."""
+        row = _row(checkpoint)
+        stale = (self._clock != self._stream.clock or row in self._changed_rows
+                 or (self._table[row, SHARED] == 0.0 and int(self._table[row, SESSION]) in self._changed))
+        if stale:
+            self._refresh()
+        return float(self._values[row])
 
     def ascending(self) -> np.ndarray:
         """Every held checkpoint's value, lowest first."""
@@ -201,16 +208,18 @@ class HeldValues:
         (``valuation.RestoreShares``)."""
         session = self._sessions[self._names[index]]
         shares = restore_shares(session, session.on_path.values())
-        table = self._table
-        for row in self._own_rows_of[index]:
+        rows = list(self._own_rows_of[index])
+        columns = []
+        for row in rows:
             checkpoint = self._checkpoints[row]
             record = self._records[checkpoint]
             depth = record.depth
             below = shares.below(depth) if record.purpose is Purpose.CONTINUATION else 0
-            table[row, ON_PATH:] = (
+            columns.append((
                 checkpoint in session.on_path, shares.predicted.get(depth, 0.0), depth == shares.end,
                 max(depth - max(session.base_depth, below), 1),
-            )  # fmt: skip
+            ))  # fmt: skip
+        self._table[rows, ON_PATH:] = columns
 
     def _session_index(self, name: str) -> int:
         index = self._index.get(name)
