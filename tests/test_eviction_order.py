@@ -20,6 +20,7 @@ from sglang.srt.mem_cache.unified_cache.components.base import ComponentType
 
 from sglang_hybrid.anchors.special_tokens import QWEN3_SPECIAL_IDS
 from sglang_hybrid.cache.planning import CheckpointId
+from sglang_hybrid.planning.state import Purpose
 from sglang_hybrid.planning.valuation import checkpoint_value
 from sglang_hybrid.replay.cost_model import DEFAULT_PROFILE, get_profile
 from sglang_hybrid.replay.policies import drive
@@ -117,10 +118,17 @@ def assert_values_are_fresh(planner) -> None:
 def test_held_values_equal_fresh_valuations_after_every_change(seed, slots, steps):
     """The planner's table of held values (``HeldValues``) keeps values between changes; after
     every request, and after each of the evictions that follow it, every one equals a fresh
-    scalar valuation."""
+    scalar valuation. So do candidates serving other sessions, which a plan values in bulk."""
     policy = replay_policy(slots + 4)
-    for _ in drive(random_sessions(seed, steps), [policy]):
-        assert_values_are_fresh(policy.planner)
+    planner = policy.planner
+    for step, _ in drive(random_sessions(seed, steps), [policy]):
+        assert_values_are_fresh(planner)
+        # A request's candidates serving other sessions are valued in bulk: the same values.
+        candidates = [(depth, purpose) for depth in range(1, step.prompt_len, 7)
+                      for purpose in (Purpose.SHARED_PATH, Purpose.BRANCH)]
+        session = step.request.session
+        bulk = [c.value for c in planner._shared_candidates(session, candidates)]
+        assert bulk == [planner._candidate_value(session, depth, purpose, ()) for depth, purpose in candidates]
         for _ in range(2):
             policy.cache.evict_checkpoints(1)
             assert_values_are_fresh(policy.planner)

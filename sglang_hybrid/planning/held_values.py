@@ -7,9 +7,10 @@ they read (how long a session has been silent, the rate a shared checkpoint is u
 stream's counters behind every session's priors: each request values the whole pool again.
 Valued one by one in Python that cost ~3 us a checkpoint (3 ms a request at 1,024 slots).
 Here a session's checkpoints share its few per-request quantities (its mean gap, append
-probability, liveness), what an own checkpoint's depth is worth to its session's restore points
-is kept in its row until the session changes, and the rest is arithmetic over arrays, in the
-order of operations of the scalar functions, so the values are the same floats.
+probability, liveness), computed for all sessions at once from their counters (copied when a
+session changes) and the stream's; what an own checkpoint's depth is worth to its session's
+restore points is kept in its row until the session changes; the rest is arithmetic over
+arrays, in the order of operations of the scalar functions, so the values are the same floats.
 
 The row of a checkpoint is fixed by where it is (device slot s: row 2s, host slot s: row
 2s + 1), so the device values by slot are every other row. Reads the planner's records,
@@ -24,10 +25,8 @@ from typing import Mapping, Optional
 import numpy as np
 
 from sglang_hybrid.cache.planning import CheckpointId, Tier
-from sglang_hybrid.planning.state import SHARED_PURPOSES, Purpose, Record, Session, StreamStats
-from sglang_hybrid.planning.valuation import (
-    alive, append_probability, edit_probability, followed_value, mean_gap, next_gap, restore_shares,
-)
+from sglang_hybrid.planning.state import PRIOR_EDITS, PRIOR_GAPS, SHARED_PURPOSES, Purpose, Record, Session, StreamStats
+from sglang_hybrid.planning.valuation import followed_value, restore_shares, shared_path_prior, shared_value
 
 # The table's columns. Flags are 0.0 / 1.0.
 SESSION, SHARED, BRANCH, HINT, CREATED, USES, SPAN = range(7)
@@ -35,6 +34,11 @@ SESSION, SHARED, BRANCH, HINT, CREATED, USES, SPAN = range(7)
 # points but the end), serves the end of the latest sequence, tokens it saves (at least 1).
 ON_PATH, PREDICTED, SERVES_END, SAVED = range(7, 11)
 COLUMNS = 11
+# A session's counters, copied when it changes (``Session``): gaps, transitions and edits, its
+# latest request's clock, the ending of its latest output (an index into the endings seen, -1:
+# not known yet) and the gaps, transitions and edits after that ending.
+GAP_TOTAL, TRANSITIONS, EDITS, LAST_CLOCK, ENDING, GAPS_AFTER, TRANSITIONS_AFTER, EDITS_AFTER = range(8)
+SESSION_STATS = 8
 
 
 def _row(checkpoint: CheckpointId) -> int:
@@ -56,12 +60,14 @@ class HeldValues:
         self._names: list[str] = []
         self._rows_of: dict[int, set[int]] = {}
         self._own_rows_of: dict[int, set[int]] = {}
-        # By session index, for the clock tick of the values: mean gap, P(next request
-        # appends) scaled by how soon it comes, P(alive), P(next request edits).
+        # By session index: its counters, and for the clock tick of the values its mean gap,
+        # P(next request appends) scaled by how soon it comes, P(alive), P(next request edits).
+        self._stats = np.zeros((0, SESSION_STATS))
         self._gap = np.zeros(0)
         self._appends = np.zeros(0)
         self._alive = np.zeros(0)
         self._edit = np.zeros(0)
+        self._endings: dict[int, int] = {}  # output ending -> index
         self._clock: Optional[int] = None
         # Sessions changed since the values were computed (their own rows are read again and
         # all their rows valued), and rows added or changed (valued again).
@@ -150,6 +156,7 @@ class HeldValues:
 
     def _refresh(self) -> None:
         for session in self._changed:
+            self._read_session(session)
             if session in self._own_rows_of:
                 self._read_own_rows(session)
         if self._clock != self._stream.clock:
@@ -165,19 +172,44 @@ class HeldValues:
         self._changed_rows.clear()
         if not stale:
             return
-        for session in stale:
-            self._read_session(session)
+        self._session_quantities(np.array(stale, dtype=np.int64))
         self._evaluate(rows, stale)
+
+    def _session_quantities(self, sessions: np.ndarray) -> None:
+        """``valuation``'s mean_gap, append_probability x mean_gap / next_gap, alive and
+        edit_probability of ``sessions``, from their counters and the stream's."""
+        stream, stats = self._stream, self._stats[sessions]
+        stream_gap = (stream.gap_total + 1) / (stream.transitions + 1)
+        gap = (stats[:, GAP_TOTAL] + PRIOR_GAPS * stream_gap) / (stats[:, TRANSITIONS] + PRIOR_GAPS)
+        stream_edit = (stream.edits + 1) / (stream.transitions + 2)
+        edit = (stats[:, EDITS] + PRIOR_EDITS * stream_edit) / (stats[:, TRANSITIONS] + PRIOR_EDITS)
+        # After a known ending: the session's gaps and edits after such endings, the stream's
+        # (drawn toward its mean gap) as the prior.
+        gap_prior, edit_prior = np.zeros(len(self._endings) + 1), np.zeros(len(self._endings) + 1)
+        for ending, index in self._endings.items():
+            transitions = stream.transitions_after[ending]
+            gap_prior[index] = (stream.gaps_after[ending] + PRIOR_GAPS * stream_gap) / (transitions + PRIOR_GAPS)
+            edit_prior[index] = (stream.edits_after[ending] + 1) / (transitions + 2)
+        ending = stats[:, ENDING].astype(np.int64)
+        known = ending >= 0
+        after = stats[:, TRANSITIONS_AFTER]
+        next_gap = np.where(known, (stats[:, GAPS_AFTER] + PRIOR_GAPS * gap_prior[ending]) / (after + PRIOR_GAPS), gap)
+        appends = np.where(known, 1.0 - (stats[:, EDITS_AFTER] + PRIOR_EDITS * edit_prior[ending]) / (after + PRIOR_EDITS),
+                           1.0 - edit)
+        idle = self._clock - stats[:, LAST_CLOCK]
+        horizon = 2.0 * gap
+        with np.errstate(divide="ignore", invalid="ignore"):
+            self._alive[sessions] = np.where(idle <= horizon, 1.0, (horizon / idle) ** 2)
+        self._gap[sessions] = gap
+        self._appends[sessions] = appends * gap / next_gap
+        self._edit[sessions] = edit
 
     def _evaluate(self, rows: np.ndarray, sessions: list[int]) -> None:
         table = self._table[rows]
         session = table[:, SESSION].astype(np.int64)
         gap = self._gap[session]
-        # Serving other sessions: span x use rate x one of the owner's gaps.
-        stream = self._stream
-        prior = np.where(table[:, BRANCH] > 0.0, 1.0, (stream.shared_followed + 1) / (stream.shared_proposed + 2))
-        rate = (table[:, USES] + prior) / ((self._clock - table[:, CREATED]) + gap)
-        shared = table[:, SPAN] * rate * gap
+        prior = np.where(table[:, BRANCH] > 0.0, 1.0, shared_path_prior(self._stream))
+        shared = shared_value(table[:, SPAN], table[:, USES], self._clock - table[:, CREATED], prior, gap)
         # Own: P(the session's next request restores from it) x P(alive) x tokens saved.
         probability = table[:, PREDICTED] + table[:, SERVES_END] * self._appends[session]
         probability = np.where(table[:, HINT] > 0.0, np.maximum(probability, self._edit[session]), probability)
@@ -197,11 +229,13 @@ class HeldValues:
 
     def _read_session(self, index: int) -> None:
         session = self._sessions[self._names[index]]
-        gap = mean_gap(session, self._stream)
-        self._gap[index] = gap
-        self._appends[index] = append_probability(session, self._stream) * gap / next_gap(session, self._stream)
-        self._alive[index] = alive(session, gap, self._stream.clock)
-        self._edit[index] = edit_probability(session, self._stream)
+        ending = session.ending
+        if ending is None:
+            after = (-1, 0, 0, 0)
+        else:
+            after = (self._endings.setdefault(ending, len(self._endings)), session.gaps_after[ending],
+                     session.transitions_after[ending], session.edits_after[ending])
+        self._stats[index] = (session.gap_total, session.transitions, session.edits, session.last_clock, *after)
 
     def _read_own_rows(self, index: int) -> None:
         """What the session's own checkpoints' depths are worth to its restore points
@@ -230,6 +264,8 @@ class HeldValues:
                 size = max(16, 2 * self._gap.shape[0])
                 self._gap, self._appends, self._alive, self._edit = (
                     np.resize(array, size) for array in (self._gap, self._appends, self._alive, self._edit))
+                self._stats = np.concatenate([self._stats, np.zeros((size - self._stats.shape[0], SESSION_STATS))])
+            self._changed.add(index)  # its counters are read with the next values
         return index
 
     def _grow(self, rows: int) -> None:

@@ -59,7 +59,9 @@ from sglang_hybrid.planning.state import (
     RequestContext, Session, StreamStats,
 )
 from sglang_hybrid.planning.held_values import HeldValues
-from sglang_hybrid.planning.valuation import checkpoint_value, edit_probability
+from sglang_hybrid.planning.valuation import (
+    checkpoint_value, edit_probability, followed_value, mean_gap, shared_path_prior, shared_value,
+)
 
 class CheckpointPlanner:
     """Plans checkpoints per request and values held checkpoints for eviction.
@@ -256,8 +258,7 @@ class CheckpointPlanner:
         # without a free slot displaces the lowest, which is then no longer the bar.
         held_values: Optional[np.ndarray] = None
         displaced = 0
-        shared = sorted((PlannedCheckpoint(depth, purpose, self._candidate_value(ctx.session, depth, purpose, ()))
-                         for depth, purpose in candidates if purpose in SHARED_PURPOSES),
+        shared = sorted(self._shared_candidates(ctx.session, [c for c in candidates if c[1] in SHARED_PURPOSES]),
                         key=lambda c: (c.value, -c.depth))
         own = [(depth, purpose) for depth, purpose in candidates if purpose not in SHARED_PURPOSES]
         admitted: list[PlannedCheckpoint] = []
@@ -293,6 +294,19 @@ class CheckpointPlanner:
             if checkpoint.purpose not in SHARED_PURPOSES:
                 own_valued = []  # the own candidates left are valued again beside it
         return tuple(sorted(admitted, key=lambda c: c.depth))
+
+    def _shared_candidates(self, session: str, candidates: list[tuple[int, Purpose]]) -> list[PlannedCheckpoint]:
+        """The candidates serving other sessions, valued at once (a new content's message
+        starts come by the hundred): ``checkpoint_value`` of each as a new record."""
+        owner = self.sessions[session]
+        spans = np.array([owner.planned_spans.get(depth, depth) for depth, _ in candidates], dtype=np.float64)
+        prior = shared_path_prior(self.stream)
+        priors = np.array([1.0 if purpose is Purpose.BRANCH else prior for _, purpose in candidates])
+        values = shared_value(spans, 0, 0, priors, mean_gap(owner, self.stream)).tolist()
+        if owner.followers:
+            for index, (depth, purpose) in enumerate(candidates):
+                values[index] += followed_value(owner, self._new_record(session, depth, purpose), self.sessions, self.stream)
+        return [PlannedCheckpoint(depth, purpose, value) for (depth, purpose), value in zip(candidates, values)]
 
     def _candidate_value(self, session: str, depth: int, purpose: Purpose, planned: list[int]) -> float:
         return checkpoint_value(self._new_record(session, depth, purpose), None, self.sessions, self.stream, planned)

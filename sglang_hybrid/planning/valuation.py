@@ -40,9 +40,8 @@ def own_value(session: Session, record: Record, checkpoint: Optional[CheckpointI
         # A branch point has been passed by two sessions already: its taking counts as one
         # use; a shared-path message start, as the fraction of those proposed that another
         # session restored from.
-        prior = 1.0 if purpose is Purpose.BRANCH else (stream.shared_followed + 1) / (stream.shared_proposed + 2)
-        rate = (record.uses + prior) / (stream.clock - created + gap)
-        return record.span * rate * gap
+        prior = 1.0 if purpose is Purpose.BRANCH else shared_path_prior(stream)
+        return shared_value(record.span, record.uses, stream.clock - created, prior, gap)
     if checkpoint is not None and checkpoint not in session.on_path:
         return 0.0
     if shares is None:
@@ -65,6 +64,20 @@ def own_value(session: Session, record: Record, checkpoint: Optional[CheckpointI
         # (its prompt tail, mostly): the continuation saves only the tokens in between.
         saved = depth - max(session.base_depth, shares.below(depth))
     return probability * alive(session, gap, stream.clock) * max(saved, 1)
+
+
+def shared_path_prior(stream: StreamStats) -> float:
+    """The uses a shared-path message start counts before any: the fraction of those proposed
+    that another session restored from."""
+    return (stream.shared_followed + 1) / (stream.shared_proposed + 2)
+
+
+def shared_value(span, uses, age, prior, gap):
+    """What a checkpoint serving other sessions saves in one of its owner's gaps: its span per
+    use, at the rate it was used (``uses`` in the ``age`` requests since it was taken, ``prior``
+    more). Scalars or arrays alike: the held values and a request's candidates are computed in
+    bulk with the same operations."""
+    return span * ((uses + prior) / (age + gap)) * gap
 
 
 def followed_value(session: Session, record: Record, sessions: Mapping[str, Session], stream: StreamStats) -> float:
