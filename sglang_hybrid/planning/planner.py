@@ -44,24 +44,25 @@ so tensor-parallel ranks running their own planner agree.
 
 from __future__ import annotations
 
-from typing import Iterable, Optional
+from typing import Iterable
 
 import numpy as np
 
 from sglang_hybrid.anchors.detector import AnchorKind, Anchors
-from sglang_hybrid.anchors.hints import HintMode
 from sglang_hybrid.cache.planning import CheckpointId
 from sglang_hybrid.planning.addresses import AnchorIndex
+from sglang_hybrid.planning.admission import admit, propose
 from sglang_hybrid.planning.edit_model import EditModel
 from sglang_hybrid.planning.following import PrefixProducers, prefix_digests
-from sglang_hybrid.planning.state import (
-    CAPTURE_COST_TOKENS, PRIOR_EDITS, SHARED_PURPOSES, CheckpointPlan, PlannedCheckpoint, Purpose, Record,
-    RequestContext, Session, StreamStats,
-)
 from sglang_hybrid.planning.held_values import HeldValues
+from sglang_hybrid.planning.state import (
+    PRIOR_EDITS, SHARED_PURPOSES, CheckpointPlan, PlannedCheckpoint, Purpose, Record, RequestContext, Session,
+    StreamStats,
+)
 from sglang_hybrid.planning.valuation import (
     checkpoint_value, edit_probability, followed_value, mean_gap, shared_path_prior, shared_value,
 )
+
 
 class CheckpointPlanner:
     """Plans checkpoints per request and values held checkpoints for eviction.
@@ -136,8 +137,15 @@ class CheckpointPlanner:
         session.last_clock = self.clock
         self._session_changed(ctx.session)
 
-        candidates = self._candidates(ctx, session, prompt_len, own_prefix)
-        return CheckpointPlan(self._admit(candidates, ctx))
+        candidates = propose(ctx, session.predictions, own_prefix)
+        session.planned_spans = candidates.spans
+        self.stream.shared_proposed += candidates.shared_paths
+        own = [(depth, purpose) for depth, purpose in candidates.proposed if purpose not in SHARED_PURPOSES]
+        shared = self._shared_candidates(ctx.session, [c for c in candidates.proposed if c[1] in SHARED_PURPOSES])
+        return CheckpointPlan(admit(
+            own, shared, lambda depth, purpose, planned: self._candidate_value(ctx.session, depth, purpose, planned),
+            ctx.free_slots, self._held.ascending,
+        ))  # fmt: skip
 
     def _follow(self, ctx: RequestContext, session: Session) -> None:
         """Find the session this prompt follows (``PrefixProducers.leader``), learn how the
@@ -187,113 +195,6 @@ class CheckpointPlanner:
             session.model.observe(session.index, common, self.global_model)
             self.global_model.observe(session.index, common, None)
         return common
-
-    def _candidates(
-        self, ctx: RequestContext, session: Session, prompt_len: int, own_prefix: int
-    ) -> list[tuple[int, Purpose]]:
-        hint = ctx.hint
-        if hint is not None and hint.mode is HintMode.NONE:
-            return []
-        lowest = ctx.restored_depth
-        held = set(int(d) for d in ctx.held_depths)
-        candidates: dict[int, Purpose] = {}
-
-        def propose(depth: int, purpose: Purpose) -> None:
-            if lowest < depth <= prompt_len and depth not in held and depth not in candidates:
-                candidates[depth] = purpose
-
-        if hint is not None and hint.mode is HintMode.EXPLICIT:
-            for depth in hint.positions.tolist():
-                propose(int(depth), Purpose.HINT)
-        if hint is not None and hint.mode is HintMode.MESSAGES:
-            for depth in ctx.anchors.of_kind(AnchorKind.MESSAGE_START).tolist():
-                propose(int(depth), Purpose.HINT)
-        propose(prompt_len - 1, Purpose.PROMPT_TAIL)
-        for depth in sorted(session.predictions):
-            # A predicted point in the output or at the prompt end is covered by the
-            # prompt-tail and generation-end states.
-            if depth < prompt_len - 1:
-                propose(depth, Purpose.PREDICTED_EDIT)
-        session.planned_spans = {}
-        branch = self._branch_depth(ctx, prompt_len, own_prefix)
-        if branch is not None and branch not in candidates:
-            propose(branch, Purpose.BRANCH)
-            session.planned_spans[branch] = branch - max([lowest, *(d for d in held if d < branch)])
-        # Content this request computes first may be followed by other sessions (trials of one
-        # task, forks of a conversation) that leave it somewhere later: a checkpoint at each
-        # new message start bounds what such a request recomputes to the message it leaves in.
-        # Only messages complete in the prompt: the last start opens the generation prompt,
-        # whose content is the output, and a request that shares the prompt up to there
-        # restores from the prompt tail.
-        starts = ctx.anchors.of_kind(AnchorKind.MESSAGE_START).tolist()
-        for previous, depth in zip(starts, starts[1:-1]):
-            if depth > max(lowest, ctx.tree_lcp) and depth < prompt_len - 1 and depth not in candidates:
-                propose(depth, Purpose.SHARED_PATH)
-                session.planned_spans[depth] = depth - max(previous, lowest)
-                self.stream.shared_proposed += 1
-        return sorted(candidates.items())
-
-    @staticmethod
-    def _branch_depth(ctx: RequestContext, prompt_len: int, own_prefix: int) -> Optional[int]:
-        """Where this prompt leaves a path it shares with *other* requests, if it does.
-
-        Checkpointed at the deepest anchor at or before the divergence: sessions that share a
-        system prompt part ways a few tokens into their first message, at a different token
-        each, but all of them pass the message start.
-        """
-        shared = min(ctx.tree_lcp, prompt_len - 1)
-        if shared <= max(ctx.restored_depth, own_prefix):
-            return None
-        anchor = ctx.anchors.last_at_or_before(shared)
-        if anchor is not None and anchor > max(ctx.restored_depth, own_prefix):
-            return anchor
-        return shared
-
-    def _admit(self, candidates: list[tuple[int, Purpose]], ctx: RequestContext) -> tuple[PlannedCheckpoint, ...]:
-        """The candidates worth their slot, most valuable first. The session's own candidates
-        are valued beside the own ones already admitted (two checkpoints before one restore
-        point save what the deeper one saves, once); those for other sessions, on their own."""
-        free = ctx.free_slots
-        # The held values, lowest first, read once the free slots are gone; each admission
-        # without a free slot displaces the lowest, which is then no longer the bar.
-        held_values: Optional[np.ndarray] = None
-        displaced = 0
-        shared = sorted(self._shared_candidates(ctx.session, [c for c in candidates if c[1] in SHARED_PURPOSES]),
-                        key=lambda c: (c.value, -c.depth))
-        own = [(depth, purpose) for depth, purpose in candidates if purpose not in SHARED_PURPOSES]
-        admitted: list[PlannedCheckpoint] = []
-        own_valued: list[PlannedCheckpoint] = []
-        while own or shared:
-            if own and not own_valued:
-                planned = [c.depth for c in admitted if c.purpose not in SHARED_PURPOSES]
-                own_valued = sorted((PlannedCheckpoint(depth, purpose, self._candidate_value(ctx.session, depth, purpose, planned))
-                                     for depth, purpose in own), key=lambda c: (c.value, -c.depth))
-            if own_valued and (not shared or (own_valued[-1].value, -own_valued[-1].depth) >= (shared[-1].value, -shared[-1].depth)):
-                checkpoint = own_valued.pop()
-                own.remove((checkpoint.depth, checkpoint.purpose))
-            else:
-                checkpoint = shared.pop()
-            if checkpoint.purpose is Purpose.HINT:
-                pass
-            elif free > 0:
-                # A free slot costs nothing: the prompt tail takes one even unvalued, since it
-                # serves what no edit model predicts (a repeat, a re-rendered output).
-                if checkpoint.value <= 0.0 and checkpoint.purpose is not Purpose.PROMPT_TAIL:
-                    continue
-            else:
-                if held_values is None:
-                    held_values = self._held.ascending()
-                # A new content's message starts come by the dozen per request, each worth a
-                # fraction of a token: one displacing another must also pay for its capture.
-                margin = CAPTURE_COST_TOKENS if checkpoint.purpose is Purpose.SHARED_PATH else 0.0
-                if displaced == held_values.shape[0] or checkpoint.value <= held_values[displaced] + margin:
-                    continue
-                displaced += 1
-            admitted.append(checkpoint)
-            free -= 1
-            if checkpoint.purpose not in SHARED_PURPOSES:
-                own_valued = []  # the own candidates left are valued again beside it
-        return tuple(sorted(admitted, key=lambda c: c.depth))
 
     def _shared_candidates(self, session: str, candidates: list[tuple[int, Purpose]]) -> list[PlannedCheckpoint]:
         """The candidates serving other sessions, valued at once (a new content's message

@@ -1,0 +1,141 @@
+"""A request's checkpoint candidates, and which of them are worth a slot (docs/architecture.md,
+"Planning quantities": admission). Functions of what they are given; the planner values the
+candidates and keeps what they return."""
+
+from __future__ import annotations
+
+from typing import Callable, Mapping, NamedTuple, Optional
+
+import numpy as np
+
+from sglang_hybrid.anchors.detector import AnchorKind
+from sglang_hybrid.anchors.hints import HintMode
+from sglang_hybrid.planning.state import CAPTURE_COST_TOKENS, SHARED_PURPOSES, PlannedCheckpoint, Purpose, RequestContext
+
+
+class Candidates(NamedTuple):
+    proposed: list[tuple[int, Purpose]]  # (depth, purpose), by depth
+    spans: dict[int, int]  # depth -> span of each serving other sessions
+    shared_paths: int  # how many of them are shared-path message starts
+
+
+def propose(ctx: RequestContext, predictions: Mapping[int, float], own_prefix: int) -> Candidates:
+    """The depths worth considering for the request of ``ctx``: a client's hint, the prompt
+    tail, the session's predicted edit points, where the prompt leaves a path other requests
+    share, the message starts of content it computes first. ``own_prefix``: the tokens it
+    shares with its session's previous request."""
+    hint = ctx.hint
+    if hint is not None and hint.mode is HintMode.NONE:
+        return Candidates([], {}, 0)
+    prompt_len = int(ctx.prompt_ids.shape[0])
+    lowest = ctx.restored_depth
+    held = set(int(d) for d in ctx.held_depths)
+    candidates: dict[int, Purpose] = {}
+    spans: dict[int, int] = {}
+
+    def propose_one(depth: int, purpose: Purpose) -> None:
+        if lowest < depth <= prompt_len and depth not in held and depth not in candidates:
+            candidates[depth] = purpose
+
+    if hint is not None and hint.mode is HintMode.EXPLICIT:
+        for depth in hint.positions.tolist():
+            propose_one(int(depth), Purpose.HINT)
+    if hint is not None and hint.mode is HintMode.MESSAGES:
+        for depth in ctx.anchors.of_kind(AnchorKind.MESSAGE_START).tolist():
+            propose_one(int(depth), Purpose.HINT)
+    propose_one(prompt_len - 1, Purpose.PROMPT_TAIL)
+    for depth in sorted(predictions):
+        # A predicted point in the output or at the prompt end is covered by the
+        # prompt-tail and generation-end states.
+        if depth < prompt_len - 1:
+            propose_one(depth, Purpose.PREDICTED_EDIT)
+    branch = branch_depth(ctx, own_prefix)
+    if branch is not None and branch not in candidates:
+        propose_one(branch, Purpose.BRANCH)
+        spans[branch] = branch - max([lowest, *(d for d in held if d < branch)])
+    # Content this request computes first may be followed by other sessions (trials of one
+    # task, forks of a conversation) that leave it somewhere later: a checkpoint at each
+    # new message start bounds what such a request recomputes to the message it leaves in.
+    # Only messages complete in the prompt: the last start opens the generation prompt,
+    # whose content is the output, and a request that shares the prompt up to there
+    # restores from the prompt tail.
+    starts = ctx.anchors.of_kind(AnchorKind.MESSAGE_START).tolist()
+    shared_paths = 0
+    for previous, depth in zip(starts, starts[1:-1]):
+        if depth > max(lowest, ctx.tree_lcp) and depth < prompt_len - 1 and depth not in candidates:
+            propose_one(depth, Purpose.SHARED_PATH)
+            spans[depth] = depth - max(previous, lowest)
+            shared_paths += 1
+    return Candidates(sorted(candidates.items()), spans, shared_paths)
+
+
+def branch_depth(ctx: RequestContext, own_prefix: int) -> Optional[int]:
+    """Where this prompt leaves a path it shares with *other* requests, if it does.
+
+    Checkpointed at the deepest anchor at or before the divergence: sessions that share a
+    system prompt part ways a few tokens into their first message, at a different token
+    each, but all of them pass the message start.
+    """
+    shared = min(ctx.tree_lcp, int(ctx.prompt_ids.shape[0]) - 1)
+    if shared <= max(ctx.restored_depth, own_prefix):
+        return None
+    anchor = ctx.anchors.last_at_or_before(shared)
+    if anchor is not None and anchor > max(ctx.restored_depth, own_prefix):
+        return anchor
+    return shared
+
+
+def admit(
+    own: list[tuple[int, Purpose]],
+    shared: list[PlannedCheckpoint],
+    own_value: Callable[[int, Purpose, list[int]], float],
+    free_slots: int,
+    held_values: Callable[[], np.ndarray],
+) -> tuple[PlannedCheckpoint, ...]:
+    """The candidates worth their slot, by depth, admitted most valuable first.
+
+    ``own``: the session's own candidates, valued by ``own_value(depth, purpose, planned)``
+    beside the own ones already admitted (two checkpoints before one restore point save what
+    the deeper one saves, once); ``shared``: those serving other sessions, valued on their
+    own. While ``free_slots`` last a positive value is enough; then a candidate must be worth
+    more than the lowest of ``held_values()`` (lowest first) it would displace."""
+    own = list(own)
+    shared = sorted(shared, key=lambda c: (c.value, -c.depth))
+    free = free_slots
+    # The held values, read once the free slots are gone; each admission without a free
+    # slot displaces the lowest, which is then no longer the bar.
+    held: Optional[np.ndarray] = None
+    displaced = 0
+    admitted: list[PlannedCheckpoint] = []
+    own_valued: list[PlannedCheckpoint] = []
+    while own or shared:
+        if own and not own_valued:
+            planned = [c.depth for c in admitted if c.purpose not in SHARED_PURPOSES]
+            own_valued = sorted((PlannedCheckpoint(depth, purpose, own_value(depth, purpose, planned))
+                                 for depth, purpose in own), key=lambda c: (c.value, -c.depth))
+        if own_valued and (not shared or (own_valued[-1].value, -own_valued[-1].depth) >= (shared[-1].value, -shared[-1].depth)):
+            checkpoint = own_valued.pop()
+            own.remove((checkpoint.depth, checkpoint.purpose))
+        else:
+            checkpoint = shared.pop()
+        if checkpoint.purpose is Purpose.HINT:
+            pass
+        elif free > 0:
+            # A free slot costs nothing: the prompt tail takes one even unvalued, since it
+            # serves what no edit model predicts (a repeat, a re-rendered output).
+            if checkpoint.value <= 0.0 and checkpoint.purpose is not Purpose.PROMPT_TAIL:
+                continue
+        else:
+            if held is None:
+                held = held_values()
+            # A new content's message starts come by the dozen per request, each worth a
+            # fraction of a token: one displacing another must also pay for its capture.
+            margin = CAPTURE_COST_TOKENS if checkpoint.purpose is Purpose.SHARED_PATH else 0.0
+            if displaced == held.shape[0] or checkpoint.value <= held[displaced] + margin:
+                continue
+            displaced += 1
+        admitted.append(checkpoint)
+        free -= 1
+        if checkpoint.purpose not in SHARED_PURPOSES:
+            own_valued = []  # the own candidates left are valued again beside it
+    return tuple(sorted(admitted, key=lambda c: c.depth))
