@@ -479,10 +479,11 @@ def test_full_pool_admits_only_checkpoints_worth_more_than_the_least_valuable_he
     assert Purpose.PROMPT_TAIL in {c.purpose for c in plan.checkpoints}
 
 
-def test_a_continuation_is_worth_what_it_saves_over_the_prompt_tail():
+def test_a_checkpoint_is_worth_what_it_saves_over_the_next_shallower_one():
     """An append that loses the continuation state restores from the prompt tail: the
-    continuation is worth at most the tokens between the two, and once it is gone the tail
-    takes the append's share, worth most of the prompt."""
+    continuation is worth at most the tokens between the two. Once it is gone the tail takes
+    the append's share, worth at most what the tail saves over the session's checkpoint before
+    it, and most of that: every request of this session appended."""
     planner = CheckpointPlanner()
     store = PrefixStore(planner)
     history = [message("system", text(1, 200)), message("user", text(2, 40))]
@@ -492,11 +493,14 @@ def test_a_continuation_is_worth_what_it_saves_over_the_prompt_tail():
         history += [message("assistant", text(10 + turn, 12)), message("user", text(20 + turn, 30))]
     continuation = latest_continuation(planner, "appends")
     end = planner.records[continuation].depth
-    [tail] = [c for c, r in planner.records.items() if r.purpose is Purpose.PROMPT_TAIL and r.depth == len(prompt) - 1]
-    saved_over_tail = end - (len(prompt) - 1)
-    assert 0.0 < planner.value(continuation, end) <= saved_over_tail
+    tail_depth = len(prompt) - 1
+    [tail] = [c for c, r in planner.records.items() if r.purpose is Purpose.PROMPT_TAIL and r.depth == tail_depth]
+    assert 0.0 < planner.value(continuation, end) <= end - tail_depth
+    tail_before = planner.value(tail, tail_depth)
     planner.forget([continuation])
-    assert planner.value(tail, len(prompt) - 1) > 10 * saved_over_tail
+    below = max(depth for depth in planner.sessions["appends"].on_path.values() if depth < tail_depth)
+    assert 0.5 * (tail_depth - below) < planner.value(tail, tail_depth) <= tail_depth - below
+    assert planner.value(tail, tail_depth) > tail_before
 
 
 def test_superseded_and_bypassed_checkpoints_are_worth_nothing():

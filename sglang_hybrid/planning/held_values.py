@@ -248,7 +248,7 @@ class HeldValues:
             checkpoint = self._checkpoints[row]
             record = self._records[checkpoint]
             depth = record.depth
-            below = shares.below(depth) if record.purpose is Purpose.CONTINUATION else 0
+            below = shares.below(depth)
             columns.append((
                 checkpoint in session.on_path, shares.predicted.get(depth, 0.0), depth == shares.end,
                 max(depth - max(session.base_depth, below), 1),

@@ -30,7 +30,8 @@ kinds of points are reached again:
   follower will restore from them, at the rate followers were seen to part so.
 
 Budget: one value function, *expected recomputed tokens saved* = P(the next request that can
-use it does) x (depth - the session's shared base) -- for checkpoints that serve other sessions,
+use it does) x the tokens it saves over the session's next shallower checkpoint (or its shared
+base) -- for checkpoints that serve other sessions,
 their use rate x what they save over the shared checkpoint before them -- ranks candidates for
 admission and held checkpoints for eviction (the cache's planning ``value``), so
 a flood of message-start checkpoints never pushes out the continuation states the next turns

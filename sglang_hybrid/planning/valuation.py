@@ -58,11 +58,9 @@ def own_value(session: Session, record: Record, checkpoint: Optional[CheckpointI
         probability = max(probability, edit_probability(session, stream))
     if probability <= 0.0:
         return 0.0
-    saved = depth - session.base_depth
-    if purpose is Purpose.CONTINUATION:
-        # A request that only appends falls back to the session's next shallower checkpoint
-        # (its prompt tail, mostly): the continuation saves only the tokens in between.
-        saved = depth - max(session.base_depth, shares.below(depth))
+    # Without it, a request restoring here falls back to the session's next shallower
+    # checkpoint: it saves only the tokens in between.
+    saved = depth - max(session.base_depth, shares.below(depth))
     return probability * alive(session, gap, stream.clock) * max(saved, 1)
 
 
