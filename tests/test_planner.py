@@ -633,3 +633,31 @@ def test_a_masking_window_not_yet_full_predicts_its_first_observation_ahead():
             predicted.append(planner.sessions["young"].predictions.get(first_observation, 0.0))
     # Predicted from the first observation on, more as the window fills.
     assert len(predicted) == keep and 0.0 < predicted[0] < predicted[1] < predicted[2], predicted
+
+
+def test_an_address_right_only_alongside_the_rule_loses_its_share():
+    """Several addresses name an edit point; where they agree they share its credit, but once
+    one has been right alone it takes the credit of the points they name together: an address
+    that is right only when it coincides with the rule (the first answer counted from the
+    start, when the edit re-renders the last answer) keeps no share, so where the two disagree
+    the rule's point is predicted, not the other's."""
+    def sequence(answers: int) -> tuple[AnchorIndex, int]:
+        history = [message("system", text(1, 40))]
+        for i in range(answers):
+            history += [message("user", text(10 + i, 20)), message("assistant", text(50 + i, 8))]
+        prompt, _ = request(history, [])
+        anchors = DETECTOR.detect(prompt)
+        last_answer = int(anchors.of_kind(AnchorKind.MESSAGE_START)[-2])  # the last: the generation prompt
+        return AnchorIndex(anchors, len(prompt)), last_answer
+
+    (one, first_answer), (two, last_answer) = sequence(1), sequence(2)
+    assert first_answer < last_answer
+    model = EditModel(capacity=32, learning_rate=0.3)
+    for _ in range(2):
+        model.observe(one, first_answer, None)  # every description of the point agrees
+    model.observe(two, last_answer, None)  # the first answer's descriptions are wrong alone
+    for _ in range(3):
+        model.observe(one, first_answer, None)
+    predicted = model.predict(two, limit=6)
+    assert predicted.get(first_answer, 0.0) < 0.05, predicted
+    assert predicted[last_answer] > 0.5, predicted

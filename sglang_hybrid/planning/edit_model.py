@@ -14,9 +14,14 @@ class EditModel:
     An address's share is its running frequency over the edits of sequences it names a point
     of: a rule that applies only to some sequences (masking, once more observations than the
     window hold) is not worn down by the edits of the others. Among the addresses naming a
-    point, ties split an edit's credit, so several rules mixing in one session -- a masked
-    observation on tool turns, a re-rendered answer on user turns -- each keep the
-    probability of their own edits.
+    point, an edit's credit goes to those with the highest share, split among them if they
+    tie: descriptions that have always agreed share it, and once one has been right alone it
+    takes the credit of the points they name together. An address right only when it
+    coincides with the session's rule (the first answer counted from the start, when every
+    edit re-renders the last answer) so keeps no share of its own, which it would predict
+    where the two disagree; several rules mixing in one session -- a masked observation on
+    tool turns, a re-rendered answer on user turns -- each keep the probability of the edits
+    only they name.
     """
 
     def __init__(self, capacity: int, learning_rate: float):
@@ -32,11 +37,13 @@ class EditModel:
         reached = {address: index.position_of(address) for address in self.shares}
         usable = [depth for depth in reached.values() if depth is not None and depth <= edit_point]
         best = max(usable, default=None)
-        winners = sum(1 for depth in usable if depth == best)
+        winners = [address for address, depth in reached.items() if best is not None and depth == best]
+        top = max((self.shares[address] for address in winners), default=None)
+        credited = [address for address in winners if self.shares[address] == top]
         for address, share in self.shares.items():
             if reached[address] is None:
                 continue  # named no point of this sequence: it predicted nothing, right or wrong
-            target = 1.0 / winners if best is not None and reached[address] == best else 0.0
+            target = 1.0 / len(credited) if address in credited else 0.0
             self.shares[address] = share + self.learning_rate * (target - share)
         new = [address for address in index.addresses_of(edit_point) if address not in self.shares]
         for address in new:
