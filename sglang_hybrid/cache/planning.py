@@ -77,7 +77,8 @@ class CheckpointPlanning(Protocol):
 
     def device_values(self, num_slots: int) -> np.ndarray:
         """``value`` of every device checkpoint, indexed by slot (0 for a slot holding none
-        the planning knows of): eviction reads them all for each victim."""
+        the planning knows of): an eviction call reads them all once, then asks ``value`` for
+        each lowest again, since the victims it takes can raise the others' values."""
 
     def moved(self, old: CheckpointId, new: CheckpointId) -> None:
         """The cache moved a checkpoint between its tiers."""

@@ -25,8 +25,10 @@ from typing import Mapping, Optional
 import numpy as np
 
 from sglang_hybrid.cache.planning import CheckpointId, Tier
-from sglang_hybrid.planning.state import PRIOR_EDITS, PRIOR_GAPS, SHARED_PURPOSES, Purpose, Record, Session, StreamStats
-from sglang_hybrid.planning.valuation import followed_value, restore_shares, shared_path_prior, shared_value
+from sglang_hybrid.planning.state import PRIOR_GAPS, SHARED_PURPOSES, Purpose, Record, Session, StreamStats
+from sglang_hybrid.planning.valuation import (
+    edit_rate, followed_value, restore_shares, shared_prior, shared_value, stream_mean_gap, toward,
+)
 
 # The table's columns. Flags are 0.0 / 1.0.
 SESSION, SHARED, BRANCH, HINT, CREATED, USES, SPAN = range(7)
@@ -177,25 +179,24 @@ class HeldValues:
 
     def _session_quantities(self, sessions: np.ndarray) -> None:
         """``valuation``'s mean_gap, append_probability x mean_gap / next_gap, alive and
-        edit_probability of ``sessions``, from their counters and the stream's."""
+        edit_probability of ``sessions``, from their counters and the stream's, with
+        ``valuation``'s own arithmetic applied to arrays."""
         stream, stats = self._stream, self._stats[sessions]
-        stream_gap = (stream.gap_total + 1) / (stream.transitions + 1)
-        gap = (stats[:, GAP_TOTAL] + PRIOR_GAPS * stream_gap) / (stats[:, TRANSITIONS] + PRIOR_GAPS)
-        stream_edit = (stream.edits + 1) / (stream.transitions + 2)
-        edit = (stats[:, EDITS] + PRIOR_EDITS * stream_edit) / (stats[:, TRANSITIONS] + PRIOR_EDITS)
+        stream_gap = stream_mean_gap(stream)
+        gap = toward(stats[:, GAP_TOTAL], stats[:, TRANSITIONS], stream_gap, PRIOR_GAPS)
+        edit = edit_rate(stats[:, EDITS], stats[:, TRANSITIONS], stream.edits, stream.transitions)
         # After a known ending: the session's gaps and edits after such endings, the stream's
-        # (drawn toward its mean gap) as the prior.
-        gap_prior, edit_prior = np.zeros(len(self._endings) + 1), np.zeros(len(self._endings) + 1)
+        # after it (its gaps drawn toward its mean gap) as the prior. Index -1: none known.
+        after = np.zeros((3, len(self._endings) + 1))
         for ending, index in self._endings.items():
-            transitions = stream.transitions_after[ending]
-            gap_prior[index] = (stream.gaps_after[ending] + PRIOR_GAPS * stream_gap) / (transitions + PRIOR_GAPS)
-            edit_prior[index] = (stream.edits_after[ending] + 1) / (transitions + 2)
+            after[:, index] = (stream.gaps_after[ending], stream.transitions_after[ending], stream.edits_after[ending])
         ending = stats[:, ENDING].astype(np.int64)
+        stream_gaps, stream_transitions, stream_edits = after[:, ending]
         known = ending >= 0
-        after = stats[:, TRANSITIONS_AFTER]
-        next_gap = np.where(known, (stats[:, GAPS_AFTER] + PRIOR_GAPS * gap_prior[ending]) / (after + PRIOR_GAPS), gap)
-        appends = np.where(known, 1.0 - (stats[:, EDITS_AFTER] + PRIOR_EDITS * edit_prior[ending]) / (after + PRIOR_EDITS),
-                           1.0 - edit)
+        gap_prior = toward(stream_gaps, stream_transitions, stream_gap, PRIOR_GAPS)
+        next_gap = np.where(known, toward(stats[:, GAPS_AFTER], stats[:, TRANSITIONS_AFTER], gap_prior, PRIOR_GAPS), gap)
+        appends = 1.0 - np.where(
+            known, edit_rate(stats[:, EDITS_AFTER], stats[:, TRANSITIONS_AFTER], stream_edits, stream_transitions), edit)
         idle = self._clock - stats[:, LAST_CLOCK]
         horizon = 2.0 * gap
         with np.errstate(divide="ignore", invalid="ignore"):
@@ -208,7 +209,8 @@ class HeldValues:
         table = self._table[rows]
         session = table[:, SESSION].astype(np.int64)
         gap = self._gap[session]
-        prior = np.where(table[:, BRANCH] > 0.0, 1.0, shared_path_prior(self._stream))
+        prior = np.where(table[:, BRANCH] > 0.0, shared_prior(Purpose.BRANCH, self._stream),
+                         shared_prior(Purpose.SHARED_PATH, self._stream))
         shared = shared_value(table[:, SPAN], table[:, USES], self._clock - table[:, CREATED], prior, gap)
         # Own: P(the session's next request restores from it) x P(alive) x tokens saved.
         probability = table[:, PREDICTED] + table[:, SERVES_END] * self._appends[session]

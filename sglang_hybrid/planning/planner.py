@@ -61,7 +61,7 @@ from sglang_hybrid.planning.state import (
     StreamStats,
 )
 from sglang_hybrid.planning.valuation import (
-    checkpoint_value, edit_probability, followed_value, mean_gap, shared_path_prior, shared_value,
+    checkpoint_value, edit_probability, followed_value, mean_gap, shared_prior, shared_value,
 )
 
 
@@ -202,8 +202,8 @@ class CheckpointPlanner:
         starts come by the hundred): ``checkpoint_value`` of each as a new record."""
         owner = self.sessions[session]
         spans = np.array([owner.planned_spans.get(depth, depth) for depth, _ in candidates], dtype=np.float64)
-        prior = shared_path_prior(self.stream)
-        priors = np.array([1.0 if purpose is Purpose.BRANCH else prior for _, purpose in candidates])
+        prior = {purpose: shared_prior(purpose, self.stream) for purpose in SHARED_PURPOSES}
+        priors = np.array([prior[purpose] for _, purpose in candidates])
         values = shared_value(spans, 0, 0, priors, mean_gap(owner, self.stream)).tolist()
         if owner.followers:
             for index, (depth, purpose) in enumerate(candidates):

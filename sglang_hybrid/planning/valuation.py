@@ -40,8 +40,7 @@ def own_value(session: Session, record: Record, checkpoint: Optional[CheckpointI
         # A branch point has been passed by two sessions already: its taking counts as one
         # use; a shared-path message start, as the fraction of those proposed that another
         # session restored from.
-        prior = 1.0 if purpose is Purpose.BRANCH else shared_path_prior(stream)
-        return shared_value(record.span, record.uses, stream.clock - created, prior, gap)
+        return shared_value(record.span, record.uses, stream.clock - created, shared_prior(purpose, stream), gap)
     if checkpoint is not None and checkpoint not in session.on_path:
         return 0.0
     if shares is None:
@@ -64,9 +63,12 @@ def own_value(session: Session, record: Record, checkpoint: Optional[CheckpointI
     return probability * alive(session, gap, stream.clock) * max(saved, 1)
 
 
-def shared_path_prior(stream: StreamStats) -> float:
-    """The uses a shared-path message start counts before any: the fraction of those proposed
+def shared_prior(purpose: Purpose, stream: StreamStats) -> float:
+    """The uses a checkpoint serving other sessions counts before any: one for a branch point
+    (two sessions passed it), for a shared-path message start the fraction of those proposed
     that another session restored from."""
+    if purpose is Purpose.BRANCH:
+        return 1.0
     return (stream.shared_followed + 1) / (stream.shared_proposed + 2)
 
 
@@ -129,7 +131,7 @@ def restore_shares(session: Session, depths: Iterable[int]) -> RestoreShares:
 
 def edit_probability(session: Session, stream: StreamStats) -> float:
     """P(the session's next request edits its history), the stream's rate as a prior."""
-    return _edit_rate(session.edits, session.transitions, stream.edits, stream.transitions)
+    return edit_rate(session.edits, session.transitions, stream.edits, stream.transitions)
 
 
 def append_probability(session: Session, stream: StreamStats) -> float:
@@ -145,22 +147,22 @@ def append_probability(session: Session, stream: StreamStats) -> float:
     ending = session.ending
     if ending is None:
         return 1.0 - edit_probability(session, stream)
-    return 1.0 - _edit_rate(session.edits_after[ending], session.transitions_after[ending],
+    return 1.0 - edit_rate(session.edits_after[ending], session.transitions_after[ending],
                             stream.edits_after[ending], stream.transitions_after[ending])
 
 
-def _edit_rate(edits: int, transitions: int, stream_edits: int, stream_transitions: int) -> float:
+def edit_rate(edits, transitions, stream_edits, stream_transitions):
     """A session's edits per transition, the stream's (Laplace-smoothed) weighing as
-    ``PRIOR_EDITS`` of them."""
-    return _toward(edits, transitions, (stream_edits + 1) / (stream_transitions + 2), PRIOR_EDITS)
+    ``PRIOR_EDITS`` of them. Scalars or arrays alike (``HeldValues``, every session at once)."""
+    return toward(edits, transitions, (stream_edits + 1) / (stream_transitions + 2), PRIOR_EDITS)
 
 
 def mean_gap(session: Session, stream: StreamStats) -> float:
     """Requests of any session between two of this session's, the stream's mean as a prior."""
-    return _toward(session.gap_total, session.transitions, _stream_mean_gap(stream), PRIOR_GAPS)
+    return toward(session.gap_total, session.transitions, stream_mean_gap(stream), PRIOR_GAPS)
 
 
-def _stream_mean_gap(stream: StreamStats) -> float:
+def stream_mean_gap(stream: StreamStats) -> float:
     return (stream.gap_total + 1) / (stream.transitions + 1)
 
 
@@ -172,13 +174,13 @@ def next_gap(session: Session, stream: StreamStats) -> float:
     ending = session.ending
     if ending is None:
         return mean_gap(session, stream)
-    prior = _toward(stream.gaps_after[ending], stream.transitions_after[ending], _stream_mean_gap(stream), PRIOR_GAPS)
-    return _toward(session.gaps_after[ending], session.transitions_after[ending], prior, PRIOR_GAPS)
+    prior = toward(stream.gaps_after[ending], stream.transitions_after[ending], stream_mean_gap(stream), PRIOR_GAPS)
+    return toward(session.gaps_after[ending], session.transitions_after[ending], prior, PRIOR_GAPS)
 
 
-def _toward(total: float, count: int, prior: float, weight: int) -> float:
+def toward(total, count, prior, weight):
     """The mean of ``count`` observations summing to ``total``, with ``weight`` more at
-    ``prior``: the prior rules until observations outnumber its weight."""
+    ``prior``: the prior rules until observations outnumber its weight. Scalars or arrays."""
     return (total + weight * prior) / (count + weight)
 
 
