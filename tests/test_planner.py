@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from sglang_hybrid.anchors.detector import AnchorDetector, AnchorKind, Role
 from sglang_hybrid.anchors.hints import validate_hints
-from sglang_hybrid.planning.addresses import FROM_END, AnchorIndex
+from sglang_hybrid.planning.addresses import FROM_END, IN_MESSAGE_FROM_END, AnchorIndex
 from sglang_hybrid.planning.edit_model import EditModel
 from sglang_hybrid.planning.planner import CheckpointPlanner
 from sglang_hybrid.planning.state import Purpose, RequestContext
@@ -661,3 +661,56 @@ def test_an_address_right_only_alongside_the_rule_loses_its_share():
     predicted = model.predict(two, limit=6)
     assert predicted.get(first_answer, 0.0) < 0.05, predicted
     assert predicted[last_answer] > 0.5, predicted
+
+
+def test_a_message_window_is_addressed_by_message_rank_inside_the_message():
+    """The tool result of the n-th message from the end: named where that message holds one,
+    nowhere where it does not, whatever the roles of the messages after it."""
+    history = [message("system", text(1, 40)), message("user", text(2, 20))]
+    for i, role in enumerate(["tool", "user", "tool", "tool"]):
+        history += [message("assistant", text(50 + i, 8)), message(role, text(100 + i, 30))]
+    prompt, _ = request(history, [])
+    anchors = DETECTOR.detect(prompt)
+    index = AnchorIndex(anchors, len(prompt))
+    starts = anchors.of_kind(AnchorKind.MESSAGE_START)  # the last one opens the generation prompt
+    tool_results = anchors.of_kind(AnchorKind.TOOL_RESULT_START)
+    kind, role = int(AnchorKind.TOOL_RESULT_START), int(Role.TOOL)
+    for rank, message_start in enumerate(starts[::-1].tolist(), start=1):
+        inside = [int(p) for p in tool_results if message_start <= p < message_start + 10]
+        assert index.position_of((IN_MESSAGE_FROM_END, kind, role, rank)) == (inside[0] if inside else None)
+    fourth = index.position_of((IN_MESSAGE_FROM_END, kind, role, 4))
+    assert fourth is not None
+    assert (IN_MESSAGE_FROM_END, kind, role, 4) in index.addresses_of(fourth + TOOL_RESULT_HEADER)
+
+
+def test_a_message_window_predicts_the_observations_it_masks_in_later_requests():
+    """A window of the last N messages masks an observation requests after the prefill that
+    computed it, and only a checkpoint taken then can serve that edit: once the rule is
+    learned, a request predicts the observations its window will mask in the next requests,
+    the sooner the likelier."""
+    steps, learned = 24, 16
+    calls = window_masking_session(steps)
+    store = PrefixStore(CheckpointPlanner())
+    for prompt, output in calls[:learned]:
+        store.serve("oh", prompt, output)
+    predictions = store.planner.sessions["oh"].predictions
+    prompt = calls[learned - 1][0].tolist()
+
+    def tool_result_at(tokens: list[int], observation: int) -> Optional[int]:
+        content = text(100 + observation, 30)
+        for position in range(len(tokens) - len(content) + 1):
+            if tokens[position: position + len(content)] == content:
+                return position - TOOL_RESULT_HEADER
+        return None
+
+    # The observations the next requests mask, by where their tool results are now.
+    masked_later = []
+    for step in range(learned, learned + 4):
+        for observation in range(step):
+            before, after = (tool_result_at(calls[s][0].tolist(), observation) for s in (step - 1, step))
+            if before is not None and after is None:
+                masked_later.append(tool_result_at(prompt, observation))
+    assert len(masked_later) >= 2 and None not in masked_later, masked_later
+    soonest_first = [predictions.get(point, 0.0) for point in masked_later]
+    assert all(p > 0.0 for p in soonest_first), (masked_later, predictions)
+    assert soonest_first == sorted(soonest_first, reverse=True), soonest_first

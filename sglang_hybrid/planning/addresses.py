@@ -16,9 +16,18 @@ ABSOLUTE = 0  # (ABSOLUTE, position)
 FROM_START = 1  # (FROM_START, index among distinct anchor positions)
 FROM_END = 2  # (FROM_END, kind, role, n): the n-th anchor of (kind, role), counting from the end
 AFTER_LAST_USER = 3  # (AFTER_LAST_USER, kind, role, n): relative to the last user message start
+# (IN_MESSAGE_FROM_END, kind, role, n): the first anchor of (kind, role) inside the n-th message
+# (of any role) from the end, for the tool results a window of the last N events masks: the
+# rank of the one leaving it among tool results varies with how many of the messages after it
+# are tool results; its rank among messages does not.
+IN_MESSAGE_FROM_END = 4
+WINDOWED_PARTS = frozenset({int(AnchorKind.TOOL_RESULT_START)})
 # The role of a message-start address that counts messages of every role: a window of the last
 # N events (observation masking, a sliding window) moves by messages, whatever their roles.
 ANY_ROLE = -1
+# Messages an agent's request adds to its session's sequence: its output and the next input
+# (a tool result, a user turn).
+MESSAGES_PER_REQUEST = 2
 
 Address = tuple[int, ...]
 
@@ -56,28 +65,51 @@ class AnchorIndex:
         keys = sorted(set(zip(self._anchors.kinds[at].tolist(), self._anchors.roles[at].tolist())))
         if any(kind == AnchorKind.MESSAGE_START for kind, _ in keys):
             keys.append((int(AnchorKind.MESSAGE_START), ANY_ROLE))
+        messages = self.by_key[(int(AnchorKind.MESSAGE_START), ANY_ROLE)]
+        message = int(np.searchsorted(messages, anchor, side="right")) - 1
         for kind, role in keys:
             positions = self.by_key[(kind, role)]
             rank = int(positions.size - np.searchsorted(positions, anchor, side="left"))
             addresses.append((FROM_END, kind, role, rank))
+            if kind in WINDOWED_PARTS and message >= 0 and self._first_in_message(kind, role, message) == anchor:
+                addresses.append((IN_MESSAGE_FROM_END, kind, role, int(messages.size - message)))
             if self.last_user is not None:
                 after = int(np.searchsorted(positions, self.last_user, side="right"))
                 mine = int(np.searchsorted(positions, anchor, side="left"))
                 addresses.append((AFTER_LAST_USER, kind, role, mine - after + 1))
         return addresses
 
-    def position_ahead(self, address: Address) -> Optional[tuple[int, int]]:
-        """Where ``address`` will name a point once the sequence grows, and how many more
-        anchors of its kind must come first: a window of the last n events names nothing
-        while the session holds fewer, and once it fills it names the oldest of them (the
-        first observation a masking agent hides). None for the other addresses, and for one
-        that names a point now (``position_of``)."""
-        if address[0] != FROM_END:
-            return None
-        positions = self.by_key.get((address[1], address[2]))
-        if positions is None or not 0 < positions.size < address[3]:
-            return None
-        return int(positions[0]), address[3] - positions.size
+    def positions_ahead(self, address: Address, limit: int) -> list[tuple[int, int]]:
+        """Points ``address`` will name once the sequence grows, each with the number of
+        requests until it does (1: the next request's edit), at most ``limit`` of them, the
+        soonest first.
+
+        A window of the last n events reaches a point only after it was computed: the
+        observation a masking agent hides next entered the prompt a few requests before, at
+        its end, and only a checkpoint taken then can serve the edit. The tool result of the
+        n-th message from the end is, after each request appends ``MESSAGES_PER_REQUEST``
+        messages, the one of a message that many closer to the end now. (Not so a message
+        address: a condensation's edit lands the same number of messages from the end each
+        time the view overflows, but the view does not slide by a message each request.) An
+        n-th-anchor-from-the-end address names nothing while the sequence holds fewer than n
+        such anchors; once it does, it names the oldest of them, about one anchor of its
+        kind per request later."""
+        kind = address[0]
+        if kind not in (FROM_END, IN_MESSAGE_FROM_END):
+            return []
+        n = address[3]
+        if kind == FROM_END:
+            positions = self.by_key.get((address[1], address[2]))
+            if positions is None or not 0 < positions.size < n:
+                return []
+            return [(int(positions[0]), n - positions.size + 1)]
+        messages = self.by_key[(int(AnchorKind.MESSAGE_START), ANY_ROLE)]
+        ahead = []
+        for rank in range(min(n - 1, messages.size), max(n - 1 - limit, 0), -1):
+            position = self._first_in_message(address[1], address[2], messages.size - rank)
+            if position is not None:
+                ahead.append((position, 1 + -(-(n - rank) // MESSAGES_PER_REQUEST)))
+        return ahead
 
     def position_of(self, address: Address) -> Optional[int]:
         kind = address[0]
@@ -85,6 +117,10 @@ class AnchorIndex:
             return address[1] if address[1] <= self.length else None
         if kind == FROM_START:
             return int(self.unique[address[1]]) if address[1] < self.unique.size else None
+        if kind == IN_MESSAGE_FROM_END:
+            messages = self.by_key[(int(AnchorKind.MESSAGE_START), ANY_ROLE)]
+            n = address[3]
+            return self._first_in_message(address[1], address[2], messages.size - n) if n <= messages.size else None
         positions = self.by_key.get((address[1], address[2]))
         if positions is None:
             return None
@@ -95,3 +131,13 @@ class AnchorIndex:
             return None
         index = int(np.searchsorted(positions, self.last_user, side="right")) + address[3] - 1
         return int(positions[index]) if 0 <= index < positions.size else None
+
+    def _first_in_message(self, kind: int, role: int, message: int) -> Optional[int]:
+        """The first anchor of (kind, role) inside the ``message``-th message (from 0)."""
+        messages = self.by_key[(int(AnchorKind.MESSAGE_START), ANY_ROLE)]
+        positions = self.by_key.get((kind, role))
+        if positions is None:
+            return None
+        end = int(messages[message + 1]) if message + 1 < messages.size else self.length + 1
+        first = int(np.searchsorted(positions, messages[message], side="left"))
+        return int(positions[first]) if first < positions.size and positions[first] < end else None

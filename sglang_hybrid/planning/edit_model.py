@@ -69,8 +69,10 @@ class EditModel:
         With a ``prior`` the shares are ``prior_weight`` parts the prior's to one part this
         model's: a session that has shown one edit rule may still follow another the stream
         shows (a rewritten answer on every call as well as a moved block on user turns).
-        A window address that names no point yet predicts where it will once the window
-        fills (``AnchorIndex.position_ahead``), its share spread over the requests until then.
+        A window address also predicts the points it will name in the requests after the
+        next (``AnchorIndex.positions_ahead``), its share spread over the requests until then:
+        a checkpoint held that long for one restore is worth that share of one the next
+        request restores from.
         """
         predictions: dict[int, float] = {}
         mine = 1.0 / (1.0 + prior_weight) if prior is not None else 1.0
@@ -79,14 +81,12 @@ class EditModel:
             sources.append((prior.shares, 1.0 - mine))
         for shares, weight in sources:
             for address, share in shares.items():
-                depth, requests = index.position_of(address), 1
-                if depth is None and (ahead := index.position_ahead(address)) is not None:
-                    # The rule's edit lands there once its window fills, about one anchor of
-                    # its kind per request later: a checkpoint held that long for one restore
-                    # is worth that share of one the next request restores from.
-                    depth, requests = ahead[0], ahead[1] + 1
-                if depth is None or depth <= 0 or share <= 0.0:
+                if share <= 0.0:
                     continue
-                predictions[depth] = predictions.get(depth, 0.0) + weight * share / requests
+                depth = index.position_of(address)
+                points = [] if depth is None else [(depth, 1)]
+                for depth, requests in points + index.positions_ahead(address, limit):
+                    if depth > 0:
+                        predictions[depth] = predictions.get(depth, 0.0) + weight * share / requests
         ranked = sorted(predictions.items(), key=lambda item: (-item[1], item[0]))[:limit]
         return {depth: min(probability, 1.0) for depth, probability in ranked}
