@@ -127,7 +127,7 @@ def test_held_values_equal_fresh_valuations_after_every_change(seed, slots, step
         candidates = [(depth, purpose) for depth in range(1, step.prompt_len, 7)
                       for purpose in (Purpose.SHARED_PATH, Purpose.BRANCH)]
         session = step.request.session
-        bulk = [c.value for c in planner._shared_candidates(session, candidates)]
+        bulk = planner._shared_candidates(session, candidates).values.tolist()
         assert bulk == [planner._candidate_value(session, depth, purpose, ()) for depth, purpose in candidates]
         for _ in range(2):
             policy.cache.evict_checkpoints(1)

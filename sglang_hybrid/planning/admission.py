@@ -13,6 +13,15 @@ from sglang_hybrid.anchors.hints import HintMode
 from sglang_hybrid.planning.state import CAPTURE_COST_TOKENS, SHARED_PURPOSES, PlannedCheckpoint, Purpose, RequestContext
 
 
+class SharedCandidates(NamedTuple):
+    """Candidates serving other sessions, valued in bulk (a new content's message starts
+    come by the hundred: kept as arrays, a checkpoint made only of those admitted)."""
+
+    depths: list[int]
+    purposes: list[Purpose]
+    values: np.ndarray
+
+
 class Candidates(NamedTuple):
     proposed: list[tuple[int, Purpose]]  # (depth, purpose), by depth
     spans: dict[int, int]  # depth -> span of each serving other sessions
@@ -87,7 +96,7 @@ def branch_depth(ctx: RequestContext, own_prefix: int) -> Optional[int]:
 
 def admit(
     own: list[tuple[int, Purpose]],
-    shared: list[PlannedCheckpoint],
+    shared: SharedCandidates,
     own_value: Callable[[int, Purpose, list[int]], float],
     free_slots: int,
     held_values: Callable[[], np.ndarray],
@@ -100,7 +109,8 @@ def admit(
     own. While ``free_slots`` last a positive value is enough; then a candidate must be worth
     more than the lowest of ``held_values()`` (lowest first) it would displace."""
     own = list(own)
-    shared = sorted(shared, key=lambda c: (c.value, -c.depth))
+    # Shared candidates, most valuable last (the shallower first among equals).
+    order = np.lexsort((-np.asarray(shared.depths, dtype=np.int64), shared.values)).tolist()
     free = free_slots
     # The held values, read once the free slots are gone; each admission without a free
     # slot displaces the lowest, which is then no longer the bar.
@@ -108,16 +118,19 @@ def admit(
     displaced = 0
     admitted: list[PlannedCheckpoint] = []
     own_valued: list[PlannedCheckpoint] = []
-    while own or shared:
+    while own or order:
         if own and not own_valued:
             planned = [c.depth for c in admitted if c.purpose not in SHARED_PURPOSES]
             own_valued = sorted((PlannedCheckpoint(depth, purpose, own_value(depth, purpose, planned))
                                  for depth, purpose in own), key=lambda c: (c.value, -c.depth))
-        if own_valued and (not shared or (own_valued[-1].value, -own_valued[-1].depth) >= (shared[-1].value, -shared[-1].depth)):
+        top = order[-1] if order else None
+        if own_valued and (top is None or (own_valued[-1].value, -own_valued[-1].depth)
+                           >= (shared.values[top], -shared.depths[top])):
             checkpoint = own_valued.pop()
             own.remove((checkpoint.depth, checkpoint.purpose))
         else:
-            checkpoint = shared.pop()
+            order.pop()
+            checkpoint = PlannedCheckpoint(shared.depths[top], shared.purposes[top], float(shared.values[top]))
         if checkpoint.purpose is Purpose.HINT:
             pass
         elif free > 0:

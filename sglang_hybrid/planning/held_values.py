@@ -71,10 +71,14 @@ class HeldValues:
         self._edit = np.zeros(0)
         self._endings: dict[int, int] = {}  # output ending -> index
         self._clock: Optional[int] = None
-        # Sessions changed since the values were computed (their own rows are read again and
-        # all their rows valued), and rows added or changed (valued again).
+        # Since the values were computed: sessions changed (their counters and own rows are
+        # read again and all their rows valued), sessions whose checkpoints alone changed
+        # (their own rows are read again and valued), rows added or changed (valued again).
         self._changed: set[int] = set()
+        self._paths_changed: set[int] = set()
         self._changed_rows: set[int] = set()
+        # Sessions whose per-request quantities are those of their counters at this clock.
+        self._current: set[int] = set()
 
     # ---- what the planner tells ----
 
@@ -91,7 +95,7 @@ class HeldValues:
         shared = record.purpose in SHARED_PURPOSES
         if not shared:
             self._own_rows_of.setdefault(session, set()).add(row)
-            self._changed.add(session)  # its own columns are read with its session's
+            self._paths_changed.add(session)  # its own columns are read with its session's
         self._table[row] = 0.0
         self._table[row, [SESSION, SHARED, BRANCH, HINT]] = (
             session, shared, record.purpose is Purpose.BRANCH, record.purpose is Purpose.HINT)
@@ -125,10 +129,19 @@ class HeldValues:
         self.added(new)
 
     def changed(self, session: str) -> None:
-        """``session``'s state changed: its checkpoints' values are computed again."""
+        """``session``'s counters, predictions or sequence changed: its checkpoints' values
+        are computed again."""
         index = self._index.get(session)
         if index is not None:
             self._changed.add(index)
+
+    def path_changed(self, session: str) -> None:
+        """A checkpoint on ``session``'s path was recorded or dropped: what its own
+        checkpoints' depths are worth to its restore points is read again (its counters, so
+        its shared checkpoints' values, are as they were)."""
+        index = self._index.get(session)
+        if index is not None:
+            self._paths_changed.add(index)
 
     # ---- values ----
 
@@ -137,8 +150,9 @@ class HeldValues:
         clock, its record, or for an own checkpoint its session (a session's state is read by
         its own checkpoints' values only, until the clock moves)."""
         row = _row(checkpoint)
+        session = int(self._table[row, SESSION])
         stale = (self._clock != self._stream.clock or row in self._changed_rows
-                 or (self._table[row, SHARED] == 0.0 and int(self._table[row, SESSION]) in self._changed))
+                 or (self._table[row, SHARED] == 0.0 and (session in self._changed or session in self._paths_changed)))
         if stale:
             self._refresh()
         return float(self._values[row])
@@ -159,23 +173,31 @@ class HeldValues:
     def _refresh(self) -> None:
         for session in self._changed:
             self._read_session(session)
+            self._current.discard(session)
+        for session in self._changed | self._paths_changed:
             if session in self._own_rows_of:
                 self._read_own_rows(session)
         if self._clock != self._stream.clock:
             self._clock = self._stream.clock
-            stale = list(self._rows_of)
+            self._current.clear()
             rows = np.flatnonzero(self._live)
+            sessions = list(self._rows_of)
         else:
             changed = [session for session in self._changed if session in self._rows_of]
             row_set = {row for session in changed for row in self._rows_of[session]} | self._changed_rows
-            stale = sorted({*changed, *(int(self._table[row, SESSION]) for row in self._changed_rows)})
+            row_set.update(row for session in self._paths_changed for row in self._own_rows_of.get(session, ()))
             rows = np.fromiter(sorted(row_set), dtype=np.int64, count=len(row_set))
+            sessions = sorted({int(self._table[row, SESSION]) for row in row_set})
         self._changed.clear()
+        self._paths_changed.clear()
         self._changed_rows.clear()
-        if not stale:
+        if not sessions:
             return
-        self._session_quantities(np.array(stale, dtype=np.int64))
-        self._evaluate(rows, stale)
+        outdated = [session for session in sessions if session not in self._current]
+        if outdated:
+            self._session_quantities(np.array(outdated, dtype=np.int64))
+            self._current.update(outdated)
+        self._evaluate(rows, sessions)
 
     def _session_quantities(self, sessions: np.ndarray) -> None:
         """``valuation``'s mean_gap, append_probability x mean_gap / next_gap, alive and

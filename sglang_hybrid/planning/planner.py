@@ -52,12 +52,12 @@ import numpy as np
 from sglang_hybrid.anchors.detector import AnchorKind, Anchors
 from sglang_hybrid.cache.planning import CheckpointId
 from sglang_hybrid.planning.addresses import AnchorIndex
-from sglang_hybrid.planning.admission import admit, propose
+from sglang_hybrid.planning.admission import SharedCandidates, admit, propose
 from sglang_hybrid.planning.edit_model import EditModel
 from sglang_hybrid.planning.following import PrefixProducers, prefix_digests
 from sglang_hybrid.planning.held_values import HeldValues
 from sglang_hybrid.planning.state import (
-    PRIOR_EDITS, SHARED_PURPOSES, CheckpointPlan, PlannedCheckpoint, Purpose, Record, RequestContext, Session,
+    PRIOR_EDITS, SHARED_PURPOSES, CheckpointPlan, Purpose, Record, RequestContext, Session,
     StreamStats,
 )
 from sglang_hybrid.planning.valuation import (
@@ -197,18 +197,19 @@ class CheckpointPlanner:
             self.global_model.observe(session.index, common, None)
         return common
 
-    def _shared_candidates(self, session: str, candidates: list[tuple[int, Purpose]]) -> list[PlannedCheckpoint]:
+    def _shared_candidates(self, session: str, candidates: list[tuple[int, Purpose]]) -> SharedCandidates:
         """The candidates serving other sessions, valued at once (a new content's message
         starts come by the hundred): ``checkpoint_value`` of each as a new record."""
         owner = self.sessions[session]
         spans = np.array([owner.planned_spans.get(depth, depth) for depth, _ in candidates], dtype=np.float64)
         prior = {purpose: shared_prior(purpose, self.stream) for purpose in SHARED_PURPOSES}
         priors = np.array([prior[purpose] for _, purpose in candidates])
-        values = shared_value(spans, 0, 0, priors, mean_gap(owner, self.stream)).tolist()
+        values = shared_value(spans, 0, 0, priors, mean_gap(owner, self.stream))
         if owner.followers:
-            for index, (depth, purpose) in enumerate(candidates):
-                values[index] += followed_value(owner, self._new_record(session, depth, purpose), self.sessions, self.stream)
-        return [PlannedCheckpoint(depth, purpose, value) for (depth, purpose), value in zip(candidates, values)]
+            values = values + np.array([
+                followed_value(owner, self._new_record(session, depth, purpose), self.sessions, self.stream)
+                for depth, purpose in candidates])
+        return SharedCandidates([depth for depth, _ in candidates], [purpose for _, purpose in candidates], values)
 
     def _candidate_value(self, session: str, depth: int, purpose: Purpose, planned: list[int]) -> float:
         return checkpoint_value(self._new_record(session, depth, purpose), None, self.sessions, self.stream, planned)
@@ -236,7 +237,6 @@ class CheckpointPlanner:
         self.records[checkpoint] = self._new_record(session, depth, purpose)
         owner.on_path[checkpoint] = depth
         self._held.added(checkpoint)
-        self._session_changed(session)
 
     def _new_record(self, session: str, depth: int, purpose: Purpose) -> Record:
         """The record of a checkpoint ``session``'s latest request takes (or would take)."""
@@ -271,7 +271,7 @@ class CheckpointPlanner:
             return
         self._held.dropped(checkpoint)
         if self.sessions[record.session].on_path.pop(checkpoint, None) is not None:
-            self._session_changed(record.session)
+            self._held.path_changed(record.session)
 
     def _session_changed(self, session: str) -> None:
         """``session``'s checkpoints, predictions or sequence changed: its checkpoints' values
