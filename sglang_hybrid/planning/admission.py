@@ -68,10 +68,12 @@ def propose(ctx: RequestContext, predictions: Mapping[int, float], own_prefix: i
     # Only messages complete in the prompt: the last start opens the generation prompt,
     # whose content is the output, and a request that shares the prompt up to there
     # restores from the prompt tail.
-    starts = ctx.anchors.of_kind(AnchorKind.MESSAGE_START).tolist()
+    starts = ctx.anchors.of_kind(AnchorKind.MESSAGE_START)
+    inner = starts[1:-1]
+    new = (inner > max(lowest, ctx.tree_lcp)) & (inner < prompt_len - 1)
     shared_paths = 0
-    for previous, depth in zip(starts, starts[1:-1]):
-        if depth > max(lowest, ctx.tree_lcp) and depth < prompt_len - 1 and depth not in candidates:
+    for previous, depth in zip(starts[:-2][new].tolist(), inner[new].tolist()):
+        if depth not in candidates:
             propose_one(depth, Purpose.SHARED_PATH)
             spans[depth] = depth - max(previous, lowest)
             shared_paths += 1
@@ -111,10 +113,11 @@ def admit(
     own = list(own)
     # Shared candidates, most valuable last (the shallower first among equals).
     order = np.lexsort((-np.asarray(shared.depths, dtype=np.int64), shared.values)).tolist()
+    values = shared.values.tolist()
     free = free_slots
     # The held values, read once the free slots are gone; each admission without a free
     # slot displaces the lowest, which is then no longer the bar.
-    held: Optional[np.ndarray] = None
+    held: Optional[list[float]] = None
     displaced = 0
     admitted: list[PlannedCheckpoint] = []
     own_valued: list[PlannedCheckpoint] = []
@@ -125,30 +128,36 @@ def admit(
                                  for depth, purpose in own), key=lambda c: (c.value, -c.depth))
         top = order[-1] if order else None
         if own_valued and (top is None or (own_valued[-1].value, -own_valued[-1].depth)
-                           >= (shared.values[top], -shared.depths[top])):
-            checkpoint = own_valued.pop()
-            own.remove((checkpoint.depth, checkpoint.purpose))
+                           >= (values[top], -shared.depths[top])):
+            candidate = own_valued.pop()
+            own.remove((candidate.depth, candidate.purpose))
+            depth, purpose, value = candidate.depth, candidate.purpose, candidate.value
         else:
             order.pop()
-            checkpoint = PlannedCheckpoint(shared.depths[top], shared.purposes[top], float(shared.values[top]))
-        if checkpoint.purpose is Purpose.HINT:
+            depth, purpose, value = shared.depths[top], shared.purposes[top], values[top]
+        if purpose is Purpose.HINT:
             pass
         elif free > 0:
             # A free slot costs nothing: the prompt tail takes one even unvalued, since it
             # serves what no edit model predicts (a repeat, a re-rendered output).
-            if checkpoint.value <= 0.0 and checkpoint.purpose is not Purpose.PROMPT_TAIL:
+            if value <= 0.0 and purpose is not Purpose.PROMPT_TAIL:
                 continue
         else:
             if held is None:
-                held = held_values()
+                held = held_values().tolist()
+            if displaced == len(held) or value <= held[displaced]:
+                # The most valuable candidate left cannot displace the least valuable held
+                # checkpoint: none can, but a hint.
+                if all(purpose is not Purpose.HINT for _, purpose in own):
+                    break
+                continue
             # A new content's message starts come by the dozen per request, each worth a
             # fraction of a token: one displacing another must also pay for its capture.
-            margin = CAPTURE_COST_TOKENS if checkpoint.purpose is Purpose.SHARED_PATH else 0.0
-            if displaced == held.shape[0] or checkpoint.value <= held[displaced] + margin:
+            if purpose is Purpose.SHARED_PATH and value <= held[displaced] + CAPTURE_COST_TOKENS:
                 continue
             displaced += 1
-        admitted.append(checkpoint)
+        admitted.append(PlannedCheckpoint(depth, purpose, value))
         free -= 1
-        if checkpoint.purpose not in SHARED_PURPOSES:
+        if purpose not in SHARED_PURPOSES:
             own_valued = []  # the own candidates left are valued again beside it
     return tuple(sorted(admitted, key=lambda c: c.depth))

@@ -5,7 +5,6 @@ message start, beyond the first message) names the session it follows."""
 
 from __future__ import annotations
 
-import hashlib
 from collections import OrderedDict
 from typing import Optional
 
@@ -13,29 +12,47 @@ import numpy as np
 
 from sglang_hybrid.planning.state import MAX_REMEMBERED_PREFIXES, Follow
 
-# Digests are truncated to 128 bits: a collision only misleads a placement estimate.
-DIGEST_BYTES = 16
+# Digests are polynomial hashes modulo 2**64 of (token id + 1) -- so a trailing token 0 still
+# counts -- with an odd multiplier. A prefix's digest is a cumulative sum, so one pass over the
+# prompt gives every boundary's; a message's (its content alone, wherever it sits) is the
+# difference of two, scaled back by the inverse power of its start. Not collision resistant:
+# a collision only misleads a placement estimate.
+MULTIPLIER = 0x9E3779B97F4A7C15
+INVERSE = pow(MULTIPLIER, -1, 1 << 64)
+_powers = np.ones(1, dtype=np.uint64)  # MULTIPLIER ** i, grown on demand
+_inverse_powers = np.ones(1, dtype=np.uint64)
 
 
-def prefix_digests(prompt: np.ndarray, boundaries: list[int]) -> tuple[list[bytes], dict[int, bytes]]:
-    """Digests of the prompt's prefixes ending at ``boundaries``, and depth -> digest of the
-    message ending there (for each boundary but the prompt's end).
+def _power_tables(length: int) -> tuple[np.ndarray, np.ndarray]:
+    global _powers, _inverse_powers
+    if _powers.shape[0] < length:
+        size = max(length, 2 * _powers.shape[0], 1 << 14)
+        tables = []
+        for base in (MULTIPLIER, INVERSE):
+            table = np.full(size, base, dtype=np.uint64)
+            table[0] = 1
+            tables.append(np.multiply.accumulate(table))
+        _powers, _inverse_powers = tables
+    return _powers, _inverse_powers
 
-    Each token is hashed once, as 32 bits (token ids are vocabulary indices): a prefix's digest
-    chains the previous prefix's digest with the message's. SHA-256 runs on the CPU's hash
-    instructions, ~7x faster here than BLAKE2 over 64-bit ids hashed twice (prefix and
-    message), which cost 2.6 ms per 128k-token prompt on the scheduler thread."""
-    tokens = np.ascontiguousarray(prompt, dtype=np.int32)
-    digests, messages = [], {}
-    prefix, previous = b"", 0
-    for depth in boundaries:
-        message = hashlib.sha256(tokens[previous:depth]).digest()[:DIGEST_BYTES]
-        prefix = hashlib.sha256(prefix + message).digest()[:DIGEST_BYTES]
-        digests.append(prefix)
-        if depth < tokens.shape[0]:
-            messages[depth] = message
-        previous = depth
-    return digests, messages
+
+def prefix_digests(prompt: np.ndarray, boundaries: list[int]) -> tuple[list[int], dict[int, int]]:
+    """Digests of the prompt's prefixes ending at ``boundaries`` (ascending, each > 0), and
+    depth -> digest of the message ending there (for each boundary but the prompt's end),
+    the message starting at the boundary before.
+
+    Vectorized over the prompt: hashing each message with SHA-256 cost ~2 us of call overhead
+    per message (~200 us per 100-message prompt at any length) on the scheduler thread."""
+    length = int(prompt.shape[0])
+    powers, inverse_powers = _power_tables(length)
+    ends = np.asarray(boundaries, dtype=np.int64)
+    starts = np.concatenate([[0], ends[:-1]])
+    sums = np.zeros(length + 1, dtype=np.uint64)
+    np.cumsum((prompt.astype(np.uint64) + np.uint64(1)) * powers[:length], out=sums[1:])
+    prefixes = sums[ends]
+    messages = (prefixes - sums[starts]) * inverse_powers[starts]
+    return prefixes.tolist(), {
+        depth: message for depth, message in zip(boundaries, messages.tolist()) if depth < length}
 
 
 class PrefixProducers:
@@ -44,10 +61,10 @@ class PrefixProducers:
 
     def __init__(self, capacity: int = MAX_REMEMBERED_PREFIXES):
         self.capacity = capacity
-        self._first: OrderedDict[bytes, tuple[str, int]] = OrderedDict()
+        self._first: OrderedDict[int, tuple[str, int]] = OrderedDict()
 
-    def leader(self, session: str, starts: list[int], digests: list[bytes],
-               messages: dict[int, bytes]) -> Optional[Follow]:
+    def leader(self, session: str, starts: list[int], digests: list[int],
+               messages: dict[int, int]) -> Optional[Follow]:
         """The session whose earlier prompt this one (of ``session``, message starts
         ``starts``, prefix ``digests`` at ``[*starts, len(prompt)]``) repeats beyond its first
         message: the one that first sent the deepest such prefix, or the whole prompt."""
@@ -63,7 +80,7 @@ class PrefixProducers:
         last_shared = starts[-1] if whole else starts[matched - 1]
         return Follow(leader, lead_clock, whole, messages[last_shared])
 
-    def remember(self, digests: list[bytes], session: str, clock: int) -> None:
+    def remember(self, digests: list[int], session: str, clock: int) -> None:
         for digest in digests:
             if digest in self._first:
                 self._first.move_to_end(digest)

@@ -242,7 +242,7 @@ class CheckpointPlanner:
         """The record of a checkpoint ``session``'s latest request takes (or would take)."""
         owner = self.sessions[session]
         span = owner.planned_spans.get(depth, depth) if purpose in SHARED_PURPOSES else 0
-        message = owner.planned_messages.get(depth, b"") if purpose is Purpose.SHARED_PATH else b""
+        message = owner.planned_messages.get(depth, 0) if purpose is Purpose.SHARED_PATH else 0
         return Record(session, depth, purpose, self.clock, span=span, message=message)
 
     def move_record(self, old: CheckpointId, new: CheckpointId) -> None:

@@ -97,7 +97,7 @@ class Record:
     # (for a message start, the one of the message before).
     span: int = 0
     # SHARED_PATH: digest of the message that ends at the checkpoint.
-    message: bytes = b""
+    message: int = 0
     # SHARED_PATH: whether another session has restored from it.
     followed: bool = False
 
@@ -113,7 +113,7 @@ class Follow:
     # Digest of the last message the two share: the leader's later prompts hold it too (a
     # sliding window moves it, not away), and the follower's next prompt leaves the leader's
     # at its end if their next messages differ.
-    message: bytes
+    message: int
 
 
 @dataclass
@@ -140,7 +140,7 @@ class Session:
     # Depth -> span of the SHARED_PATH checkpoints of the latest plan, until recorded.
     planned_spans: dict[int, int] = field(default_factory=dict)
     # Depth -> digest of the message ending there, for the latest plan's message starts.
-    planned_messages: dict[int, bytes] = field(default_factory=dict)
+    planned_messages: dict[int, int] = field(default_factory=dict)
     following: Optional[Follow] = None
     followers: dict[str, Follow] = field(default_factory=dict)
 
