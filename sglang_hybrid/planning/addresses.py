@@ -42,7 +42,8 @@ class AnchorIndex:
         for kind, role in sorted(set(zip(anchors.kinds.tolist(), anchors.roles.tolist()))):
             mask = (anchors.kinds == kind) & (anchors.roles == role)
             self.by_key[(kind, role)] = anchors.positions[mask]
-        self.by_key[(int(AnchorKind.MESSAGE_START), ANY_ROLE)] = anchors.of_kind(AnchorKind.MESSAGE_START)
+        # Message starts of every role, which message-window addresses count.
+        self.messages = self.by_key[(int(AnchorKind.MESSAGE_START), ANY_ROLE)] = anchors.of_kind(AnchorKind.MESSAGE_START)
         users = self.by_key.get((int(AnchorKind.MESSAGE_START), int(Role.USER)))
         self.last_user = int(users[-1]) if users is not None and users.size else None
         self._anchors = anchors
@@ -65,14 +66,13 @@ class AnchorIndex:
         keys = sorted(set(zip(self._anchors.kinds[at].tolist(), self._anchors.roles[at].tolist())))
         if any(kind == AnchorKind.MESSAGE_START for kind, _ in keys):
             keys.append((int(AnchorKind.MESSAGE_START), ANY_ROLE))
-        messages = self.by_key[(int(AnchorKind.MESSAGE_START), ANY_ROLE)]
-        message = int(np.searchsorted(messages, anchor, side="right")) - 1
+        message = int(np.searchsorted(self.messages, anchor, side="right")) - 1
         for kind, role in keys:
             positions = self.by_key[(kind, role)]
             rank = int(positions.size - np.searchsorted(positions, anchor, side="left"))
             addresses.append((FROM_END, kind, role, rank))
             if kind in WINDOWED_PARTS and message >= 0 and self._first_in_message(kind, role, message) == anchor:
-                addresses.append((IN_MESSAGE_FROM_END, kind, role, int(messages.size - message)))
+                addresses.append((IN_MESSAGE_FROM_END, kind, role, int(self.messages.size - message)))
             if self.last_user is not None:
                 after = int(np.searchsorted(positions, self.last_user, side="right"))
                 mine = int(np.searchsorted(positions, anchor, side="left"))
@@ -103,10 +103,9 @@ class AnchorIndex:
             if positions is None or not 0 < positions.size < n:
                 return []
             return [(int(positions[0]), n - positions.size + 1)]
-        messages = self.by_key[(int(AnchorKind.MESSAGE_START), ANY_ROLE)]
         ahead = []
-        for rank in range(min(n - 1, messages.size), max(n - 1 - limit, 0), -1):
-            position = self._first_in_message(address[1], address[2], messages.size - rank)
+        for rank in range(min(n - 1, self.messages.size), max(n - 1 - limit, 0), -1):
+            position = self._first_in_message(address[1], address[2], self.messages.size - rank)
             if position is not None:
                 ahead.append((position, 1 + -(-(n - rank) // MESSAGES_PER_REQUEST)))
         return ahead
@@ -118,9 +117,8 @@ class AnchorIndex:
         if kind == FROM_START:
             return int(self.unique[address[1]]) if address[1] < self.unique.size else None
         if kind == IN_MESSAGE_FROM_END:
-            messages = self.by_key[(int(AnchorKind.MESSAGE_START), ANY_ROLE)]
             n = address[3]
-            return self._first_in_message(address[1], address[2], messages.size - n) if n <= messages.size else None
+            return self._first_in_message(address[1], address[2], self.messages.size - n) if n <= self.messages.size else None
         positions = self.by_key.get((address[1], address[2]))
         if positions is None:
             return None
@@ -134,10 +132,10 @@ class AnchorIndex:
 
     def _first_in_message(self, kind: int, role: int, message: int) -> Optional[int]:
         """The first anchor of (kind, role) inside the ``message``-th message (from 0)."""
-        messages = self.by_key[(int(AnchorKind.MESSAGE_START), ANY_ROLE)]
         positions = self.by_key.get((kind, role))
         if positions is None:
             return None
+        messages = self.messages
         end = int(messages[message + 1]) if message + 1 < messages.size else self.length + 1
         first = int(np.searchsorted(positions, messages[message], side="left"))
         return int(positions[first]) if first < positions.size and positions[first] < end else None

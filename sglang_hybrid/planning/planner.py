@@ -136,7 +136,7 @@ class CheckpointPlanner:
         # Until the request finishes, its prompt is what the session's next request follows.
         session.sequence, session.index = ctx.prompt_ids, index
         session.last_clock = self.clock
-        self._session_changed(ctx.session)
+        self._held.changed(ctx.session)
 
         candidates = propose(ctx, session.predictions, own_prefix)
         session.planned_spans = candidates.spans
@@ -226,7 +226,7 @@ class CheckpointPlanner:
             raise KeyError(f"session {session!r} was never planned")
         owner.sequence, owner.index = sequence, AnchorIndex(anchors, int(sequence.shape[0]))
         owner.ending = ending
-        self._session_changed(session)
+        self._held.changed(session)
 
     def record_checkpoint(self, checkpoint: CheckpointId, session: str, depth: int, purpose: Purpose) -> None:
         """``checkpoint`` now holds ``session``'s checkpoint at ``depth`` (taken for ``purpose``)."""
@@ -272,11 +272,6 @@ class CheckpointPlanner:
         self._held.dropped(checkpoint)
         if self.sessions[record.session].on_path.pop(checkpoint, None) is not None:
             self._held.path_changed(record.session)
-
-    def _session_changed(self, session: str) -> None:
-        """``session``'s checkpoints, predictions or sequence changed: its checkpoints' values
-        are computed again (every value is, once the clock moves)."""
-        self._held.changed(session)
 
     # ---- valuation ----
 
