@@ -23,7 +23,9 @@ from sglang_hybrid.planning.addresses import FROM_END, IN_MESSAGE_FROM_END, Anch
 from sglang_hybrid.planning.edit_model import EditModel
 from sglang_hybrid.planning.planner import CheckpointPlanner
 from sglang_hybrid.planning.state import Purpose, RequestContext
-from sglang_hybrid.planning.valuation import alive, append_probability, mean_gap, next_gap
+from sglang_hybrid.planning.valuation import (
+    alive, append_probability, checkpoint_value, mean_gap, next_gap, scarcity,
+)
 from sglang_hybrid.anchors.special_tokens import QWEN3_NEWLINE_ID, QWEN3_ROLE_IDS, QWEN3_SPECIAL_IDS
 from sglang_hybrid.cache.planning import CheckpointId
 
@@ -106,7 +108,8 @@ class PrefixStore:
         plan = self.planner.plan(RequestContext(
             session=session, prompt_ids=prompt, anchors=DETECTOR.detect(prompt),
             tree_lcp=lcp, held_depths=sorted(held.values()), restored_depth=restored,
-            restored=restored_checkpoint, free_slots=self.budget - len(self.checkpoints), hint=hint,
+            restored=restored_checkpoint, free_slots=self.budget - len(self.checkpoints),
+            pool_slots=self.budget, hint=hint,
         ))
         sequence = np.concatenate([prompt, kept])
         for checkpoint in plan.checkpoints:
@@ -379,6 +382,23 @@ def reasoning_agent_session(turns: int, tag: int) -> list[tuple[np.ndarray, np.n
     return calls
 
 
+def agent_among_other_sessions(store: PrefixStore):
+    """``reasoning_agent_session``'s turns among other sessions' requests (masking agents,
+    one per session in turn): one after a tool call (its result is sent back at once), six
+    after an answer (a user types the next turn). Yields (turn, prompt, how the output ended)
+    once each of the agent's requests is served, before the others that follow it."""
+    fillers = [last_n_session(10, tag=20_000 + 1000 * i) for i in range(8)]
+    served = [0] * len(fillers)
+    for turn, (prompt, output) in enumerate(reasoning_agent_session(18, tag=500)):
+        store.serve("agent", prompt, output)
+        ending = "tool call" if store.planner.sessions["agent"].ending == END_TOOL_CALL else "answer"
+        yield turn, prompt, ending
+        for i in range(1 if ending == "tool call" else 6):
+            filler = i % len(fillers)
+            store.serve(f"filler-{filler}", *fillers[filler][served[filler] % len(fillers[filler])])
+            served[filler] += 1
+
+
 def test_whether_the_next_request_appends_is_learned_from_how_the_output_ended():
     """After a tool call the session's next request appends; after an answer it edits. The
     planner learns the two rates apart (the unconditional one is two thirds), so the
@@ -410,21 +430,9 @@ def test_an_append_that_comes_sooner_is_worth_more_per_request():
     worth its append share of what it saves scaled by how much sooner than the session's mean
     gap that request comes: more after a tool call, less after an answer."""
     planner = CheckpointPlanner()
-    store = PrefixStore(planner)
-    fillers = [last_n_session(10, tag=20_000 + 1000 * i) for i in range(8)]
-    served = {i: 0 for i in range(len(fillers))}
-
-    def serve_fillers(count: int) -> None:
-        for i in range(count):
-            session = i % len(fillers)
-            store.serve(f"filler-{session}", *fillers[session][served[session] % len(fillers[session])])
-            served[session] += 1
-
     gaps, scaled = {}, {}
-    for turn, (prompt, output) in enumerate(reasoning_agent_session(18, tag=500)):
-        store.serve("agent", prompt, output)
+    for turn, prompt, ending in agent_among_other_sessions(PrefixStore(planner)):
         session = planner.sessions["agent"]
-        ending = "tool call" if session.ending == END_TOOL_CALL else "answer"
         if turn >= 9:
             gaps.setdefault(ending, []).append(next_gap(session, planner.stream))
             end = latest_continuation(planner, "agent")
@@ -433,11 +441,43 @@ def test_an_append_that_comes_sooner_is_worth_more_per_request():
             unscaled = append_probability(session, planner.stream) * saved
             scaled.setdefault(ending, []).append(planner.value(end, depth) / unscaled)
             assert alive(session, mean_gap(session, planner.stream), planner.clock) == 1.0
-        serve_fillers(1 if ending == "tool call" else 6)
     mean = mean_gap(planner.sessions["agent"], planner.stream)
     assert max(gaps["tool call"]) < mean < min(gaps["answer"]), (gaps, mean)
     assert min(scaled["tool call"]) > 1.5, scaled
     assert max(scaled["answer"]) < 0.9, scaled
+
+
+def test_a_scarce_pool_weighs_a_predicted_edit_by_how_soon_its_session_returns():
+    """The prompt tail after an answer is where the user's next turn, which re-renders the
+    answer without its reasoning, restores. With a slot for every active session it is worth
+    its edit share of what it saves however long the user takes; with a slot for every two
+    sessions or fewer, that share times how much sooner than the session's mean gap its next
+    request comes, at most all of it: a slot waiting for a user is one the sessions running
+    tool calls, back sooner, lack."""
+    planner = CheckpointPlanner()
+
+    def value_with_pool(checkpoint: CheckpointId, slots: int) -> float:
+        stream = planner.stream
+        kept, stream.pool_slots = stream.pool_slots, slots
+        try:
+            assert scarcity(stream) == (0.0 if slots >= 1000 else 1.0)
+            return checkpoint_value(planner.records[checkpoint], checkpoint, planner.sessions, stream)
+        finally:
+            stream.pool_slots = kept
+
+    ratios, soon = {}, {}
+    for turn, prompt, ending in agent_among_other_sessions(PrefixStore(planner)):
+        session = planner.sessions["agent"]
+        if turn >= 9:
+            tail = next(checkpoint for checkpoint, record in planner.records.items()
+                        if record.session == "agent" and record.depth == len(prompt) - 1)
+            ample, scarce = value_with_pool(tail, 1000), value_with_pool(tail, 1)
+            assert ample > 0.0
+            ratios.setdefault(ending, []).append(scarce / ample)
+            soon.setdefault(ending, []).append(mean_gap(session, planner.stream) / next_gap(session, planner.stream))
+    assert ratios["tool call"] == [1.0] * len(ratios["tool call"]), ratios
+    assert max(ratios["answer"]) < 0.9, ratios
+    assert ratios["answer"] == pytest.approx(soon["answer"]), (ratios, soon)
 
 
 def test_hints():

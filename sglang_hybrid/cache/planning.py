@@ -57,6 +57,7 @@ class RequestToPlan:
     tree_lcp: int  # prompt tokens whose KV the tree holds
     held_depths: tuple[int, ...]  # depths of the checkpoints on that path
     free_slots: int  # device checkpoint slots unused
+    pool_slots: int  # device checkpoint slots in all
 
 
 class CheckpointPlanning(Protocol):

@@ -228,6 +228,7 @@ class SemanticStateCache(UnifiedRadixCache):
             tree_lcp=tree_lcp,
             held_depths=tuple(depth for depth, _ in held),
             free_slots=self.checkpoint_pool.available_size(),
+            pool_slots=self.checkpoint_pool.num_slots,
         ))  # fmt: skip
         # Every slot is taken (and staged, so that ``abandon_checkpoints`` frees it if the
         # planning fails) before the planning hears of any: the evictions that make room are

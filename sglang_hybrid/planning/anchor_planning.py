@@ -73,6 +73,7 @@ class AnchorPlanning:
                 restored_depth=request.restored_depth,
                 restored=request.restored,
                 free_slots=request.free_slots,
+                pool_slots=request.pool_slots,
                 hint=hint,
             ))  # fmt: skip
             return [(c.depth, c.purpose, c.value) for c in plan.checkpoints]

@@ -27,7 +27,8 @@ import numpy as np
 from sglang_hybrid.cache.planning import CheckpointId, Tier
 from sglang_hybrid.planning.state import PRIOR_GAPS, SHARED_PURPOSES, Purpose, Record, Session, StreamStats
 from sglang_hybrid.planning.valuation import (
-    edit_rate, followed_value, restore_shares, shared_prior, shared_value, stream_mean_gap, toward,
+    edit_rate, edit_weight, followed_value, restore_shares, scarcity, shared_prior, shared_value, stream_mean_gap,
+    toward,
 )
 
 # The table's columns. Flags are 0.0 / 1.0.
@@ -63,12 +64,14 @@ class HeldValues:
         self._rows_of: dict[int, set[int]] = {}
         self._own_rows_of: dict[int, set[int]] = {}
         # By session index: its counters, and for the clock tick of the values its mean gap,
-        # P(next request appends) scaled by how soon it comes, P(alive), P(next request edits).
+        # P(next request appends) scaled by how soon it comes, P(alive), P(next request edits),
+        # the weight of its predicted edit points (``valuation.edit_weight``).
         self._stats = np.zeros((0, SESSION_STATS))
         self._gap = np.zeros(0)
         self._appends = np.zeros(0)
         self._alive = np.zeros(0)
         self._edit = np.zeros(0)
+        self._edit_weight = np.zeros(0)
         self._endings: dict[int, int] = {}  # output ending -> index
         self._clock: Optional[int] = None
         # Since the values were computed: sessions changed (their counters and own rows are
@@ -225,6 +228,7 @@ class HeldValues:
             self._alive[sessions] = np.where(idle <= horizon, 1.0, (horizon / idle) ** 2)
         self._gap[sessions] = gap
         self._appends[sessions] = appends * gap / next_gap
+        self._edit_weight[sessions] = edit_weight(gap, next_gap, scarcity(stream))
         self._edit[sessions] = edit
 
     def _evaluate(self, rows: np.ndarray, sessions: list[int]) -> None:
@@ -235,7 +239,7 @@ class HeldValues:
                          shared_prior(Purpose.SHARED_PATH, self._stream))
         shared = shared_value(table[:, SPAN], table[:, USES], self._clock - table[:, CREATED], prior, gap)
         # Own: P(the session's next request restores from it) x P(alive) x tokens saved.
-        probability = table[:, PREDICTED] + table[:, SERVES_END] * self._appends[session]
+        probability = table[:, PREDICTED] * self._edit_weight[session] + table[:, SERVES_END] * self._appends[session]
         probability = np.where(table[:, HINT] > 0.0, np.maximum(probability, self._edit[session]), probability)
         kept = (table[:, ON_PATH] > 0.0) & (probability > 0.0)
         own = np.where(kept, probability * self._alive[session] * table[:, SAVED], 0.0)
@@ -286,8 +290,9 @@ class HeldValues:
             self._names.append(name)
             if index >= self._gap.shape[0]:
                 size = max(16, 2 * self._gap.shape[0])
-                self._gap, self._appends, self._alive, self._edit = (
-                    np.resize(array, size) for array in (self._gap, self._appends, self._alive, self._edit))
+                self._gap, self._appends, self._alive, self._edit, self._edit_weight = (
+                    np.resize(array, size)
+                    for array in (self._gap, self._appends, self._alive, self._edit, self._edit_weight))
                 self._stats = np.concatenate([self._stats, np.zeros((size - self._stats.shape[0], SESSION_STATS))])
             self._changed.add(index)  # its counters are read with the next values
         return index

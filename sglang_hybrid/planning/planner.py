@@ -105,6 +105,7 @@ class CheckpointPlanner:
 
     def plan(self, ctx: RequestContext) -> CheckpointPlan:
         self.stream.clock += 1
+        self.stream.pool_slots = ctx.pool_slots
         prompt_len = int(ctx.prompt_ids.shape[0])
         session = self.sessions.get(ctx.session)
         own_prefix = 0

@@ -53,7 +53,8 @@ class RequestContext:
     is told to the planner with ``request_finished``.
     ``tree_lcp`` is how many prompt tokens the tree's KV already holds; ``held_depths`` the
     depths of checkpoints on that path; ``restored_depth``/``restored`` what the cache's
-    match restored (0/None for none); ``free_slots`` how many checkpoint slots are unused.
+    match restored (0/None for none); ``free_slots`` how many checkpoint slots are unused,
+    ``pool_slots`` how many there are.
     """
 
     session: str
@@ -64,6 +65,7 @@ class RequestContext:
     restored_depth: int
     restored: Optional[CheckpointId]
     free_slots: int
+    pool_slots: int
     hint: Optional[ValidatedHint] = None
 
 
@@ -156,6 +158,7 @@ class StreamStats:
     edits_after: Counter = field(default_factory=Counter)
     gap_total: int = 0  # requests of any session between consecutive requests of one session
     gaps_after: Counter = field(default_factory=Counter)  # gap_total by the ending before them
+    pool_slots: int = 0  # the device checkpoint pool's size, as the latest request was planned
     # Message starts of new content proposed as SHARED_PATH checkpoints, and the checkpoints
     # taken at them that another session restored from: how often the stream's sessions follow
     # each other's new content. Counted per proposal, so that how many the pool admits does not

@@ -9,6 +9,8 @@ from bisect import bisect_left, bisect_right
 from dataclasses import dataclass
 from typing import Iterable, Mapping, Optional, Sequence
 
+import numpy as np
+
 from sglang_hybrid.cache.planning import CheckpointId
 from sglang_hybrid.planning.state import PRIOR_EDITS, PRIOR_GAPS, SHARED_PURPOSES, Purpose, Record, Session, StreamStats
 
@@ -48,10 +50,12 @@ def own_value(session: Session, record: Record, checkpoint: Optional[CheckpointI
     # An append restores from the end state at the session's next request, which comes
     # sooner than its mean gap after a tool call (the tool's result is sent back at once) and
     # later after an answer (a user types the next turn): the sooner, the more requests the
-    # slot serves per unit of time. (When an edit comes is not known: it may be the request
-    # closing a chain of tool calls.)
-    appends = append_probability(session, stream) * gap / next_gap(session, stream)
-    probability = shares.probability(depth, appends)
+    # slot serves per unit of time. A predicted edit may come later than the next request (the
+    # one closing a chain of tool calls): how soon counts for it only as far as the pool is
+    # short of slots (``edit_weight``).
+    wait = next_gap(session, stream)
+    appends = append_probability(session, stream) * gap / wait
+    probability = shares.probability(depth, appends, edit_weight(gap, wait, scarcity(stream)))
     if purpose is Purpose.HINT:
         # The client says an edit will land here: trust it as much as the session's edits.
         probability = max(probability, edit_probability(session, stream))
@@ -107,10 +111,11 @@ class RestoreShares:
     end: Optional[int]  # the depth serving the end, if any
     depths: tuple[int, ...]  # the distinct depths, ascending
 
-    def probability(self, depth: int, append_probability: float) -> float:
-        """P(the session's next request restores from a checkpoint at ``depth``)."""
+    def probability(self, depth: int, append_probability: float, edit_weight: float) -> float:
+        """P(the session's next request restores from a checkpoint at ``depth``), its
+        predicted edit points weighed by ``edit_weight``."""
         appends = append_probability if depth == self.end else 0.0
-        return self.predicted.get(depth, 0.0) + appends
+        return self.predicted.get(depth, 0.0) * edit_weight + appends
 
     def below(self, depth: int) -> int:
         """The deepest depth shallower than ``depth`` (0 if none)."""
@@ -176,6 +181,25 @@ def next_gap(session: Session, stream: StreamStats) -> float:
         return mean_gap(session, stream)
     prior = toward(stream.gaps_after[ending], stream.transitions_after[ending], stream_mean_gap(stream), PRIOR_GAPS)
     return toward(session.gaps_after[ending], session.transitions_after[ending], prior, PRIOR_GAPS)
+
+
+def scarcity(stream: StreamStats) -> float:
+    """How far the checkpoint pool is from a slot per active session: 0 with one for each
+    (its slots at least the stream's mean gap, which is the number of sessions active: between
+    two requests of one session, each other active session sends one), 1 with one for every
+    two sessions or fewer."""
+    share = stream.pool_slots / stream_mean_gap(stream)
+    return min(max(2.0 - 2.0 * share, 0.0), 1.0)
+
+
+def edit_weight(gap, next_gap, scarcity):
+    """What a predicted edit point's probability counts for in a checkpoint's value. With a
+    slot for every active session, all of it: the checkpoint is worth its restores however long
+    it waits for them. With fewer, a slot held for a session that comes back late (a user
+    typing the next turn: ``next_gap`` over its mean ``gap``) is one the sessions coming back
+    sooner lack: its worth per unit of time is ``gap / next_gap`` of what it saves, and the
+    value moves toward that rate as the pool's ``scarcity`` grows. Scalars or arrays alike."""
+    return 1.0 - scarcity * (1.0 - np.minimum(gap / next_gap, 1.0))
 
 
 def toward(total, count, prior, weight):
