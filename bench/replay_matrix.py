@@ -10,7 +10,9 @@ from disjoint seeds and disjoint tau-bench tasks. Tune policies on `--set tuning
 Per trace and budget it reports `semantic`'s recomputed prompt tokens as a ratio to the oracle
 (a checkpoint at every position, unbounded), to the best peer (the peer that recomputes
 least there, named), and to the clairvoyant reference (``policies/bounds.py``: same budget,
-knows the future). Flags: `MISS` where `semantic` exceeds the target ratio to the oracle at a
+knows the future); beside it, `semantic-closing`'s ratio to the oracle: the same cache with a
+client that closes each session after its last request (``/close_session``), what knowing a
+session's end is worth. Flags: `MISS` where `semantic` exceeds the target ratio to the oracle at a
 target budget; `PEER WIN` where a peer recomputes fewer tokens than `semantic`.
 
 Converted traces are cached under --cache-dir. Writes results/bench/replay_matrix_<set>.json
@@ -32,6 +34,7 @@ from pathlib import Path
 from sglang_hybrid.replay.cost_model import DEFAULT_PROFILE, get_profile
 from sglang_hybrid.replay.policies import PEER_POLICIES
 from sglang_hybrid.replay.policies.bounds import ClairvoyantPolicy
+from sglang_hybrid.replay.policies.semantic import SessionClosingSemanticPolicy
 from sglang_hybrid.replay.shared_data import REPO_ROOT
 from sglang_hybrid.replay.sim import simulate
 from sglang_hybrid.replay.trace import Trace, load_trace, write_trace
@@ -42,6 +45,7 @@ from sglang_hybrid.replay.trace_sets import (
 DEFAULT_CACHE_DIR = Path("/tmp") / "sglang-hybrid-replay-matrix"
 OURS = "semantic"
 CLAIRVOYANT = ClairvoyantPolicy.name
+CLOSING = SessionClosingSemanticPolicy.name
 PEERS = tuple(name for name in PEER_POLICIES if name not in ("oracle", "none"))
 BUDGETS = (8, 16, 32, 64, 256)
 QUICK_BUDGETS = (16, 64, 256)
@@ -65,7 +69,7 @@ def load_or_build(set_name: str, pattern: str, concurrency: int, tasks: int, cac
 
 def measure(trace: Trace, budgets: list[int]) -> dict[str, dict]:
     """budget -> recomputed tokens per policy and semantic's ratios."""
-    stats = simulate(trace, ["oracle", OURS, CLAIRVOYANT, *PEERS], budgets, get_profile(DEFAULT_PROFILE),
+    stats = simulate(trace, ["oracle", OURS, CLOSING, CLAIRVOYANT, *PEERS], budgets, get_profile(DEFAULT_PROFILE),
                      progress=False)
     rows = {}
     for budget in budgets:
@@ -78,6 +82,7 @@ def measure(trace: Trace, budgets: list[int]) -> dict[str, dict]:
             "ratio_to_oracle": ours / tokens["oracle"],
             "ratio_to_best_peer": ours / max(tokens[best_peer], 1),
             "ratio_to_clairvoyant": ours / max(tokens[CLAIRVOYANT], 1),
+            "closing_ratio_to_oracle": tokens[CLOSING] / tokens["oracle"],
         }
     return rows
 
@@ -98,7 +103,7 @@ def flags(name: str, rows: dict[str, dict]) -> list[str]:
 def print_table(results: dict[str, dict], budgets: list[int]) -> None:
     width = max(len(name) for name in results) + 2
     header = (f"{'trace':{width}s}{'slots':>6s}{'/oracle':>10s}{'/best peer':>12s}{'best peer':>21s}"
-              f"{'/clairvoyant':>14s}{'clairv/oracle':>15s}")
+              f"{'/clairvoyant':>14s}{'clairv/oracle':>15s}{'closing/oracle':>16s}")
     print(header)
     print("-" * len(header))
     for name, entry in results.items():
@@ -107,7 +112,7 @@ def print_table(results: dict[str, dict], budgets: list[int]) -> None:
             tokens = row["recomputed_tokens"]
             print(f"{name:{width}s}{budget:>6d}{row['ratio_to_oracle']:>9.3f}x{row['ratio_to_best_peer']:>11.3f}x"
                   f"{row['best_peer']:>21s}{row['ratio_to_clairvoyant']:>13.3f}x"
-                  f"{tokens[CLAIRVOYANT] / tokens['oracle']:>14.3f}x")
+                  f"{tokens[CLAIRVOYANT] / tokens['oracle']:>14.3f}x{row['closing_ratio_to_oracle']:>15.3f}x")
 
 
 def plot(results: dict[str, dict], budgets: list[int], path: Path) -> None:

@@ -22,7 +22,7 @@ from sglang_hybrid.anchors.hints import validate_hints
 from sglang_hybrid.planning.addresses import FROM_END, IN_MESSAGE_FROM_END, AnchorIndex
 from sglang_hybrid.planning.edit_model import EditModel
 from sglang_hybrid.planning.planner import CheckpointPlanner
-from sglang_hybrid.planning.state import Purpose, RequestContext
+from sglang_hybrid.planning.state import SHARED_PURPOSES, Purpose, RequestContext
 from sglang_hybrid.planning.valuation import (
     alive, append_probability, checkpoint_value, mean_gap, next_gap, scarcity,
 )
@@ -494,6 +494,37 @@ def test_hints():
     plan, _ = store.serve("u", third_prompt, third_output, hint=validate_hints("messages", len(third_prompt), 8))
     starts = DETECTOR.detect(third_prompt).of_kind(1).tolist()  # AnchorKind.MESSAGE_START
     assert set(d for d in starts if 0 < d < len(third_prompt)) <= set(plan.depths)
+
+
+def test_an_ended_session_keeps_nothing_of_its_own_until_it_comes_back():
+    """Once its client says a session ended, its own checkpoints are worth nothing, so a full
+    pool evicts them first, and the other sessions' keep their values; a request it sends
+    after all opens it again. A session never planned cannot be ended."""
+    planner = CheckpointPlanner()
+    store = PrefixStore(planner, budget=6, evict=True)
+    calls = {"a": last_n_session(6, tag=0), "b": last_n_session(6, tag=5000)}
+    for step in range(4):
+        for name in calls:
+            store.serve(name, *calls[name][step])
+
+    def values(session: str, purposes=tuple(Purpose)) -> dict[CheckpointId, float]:
+        return {checkpoint: planner.value(checkpoint, record.depth) for checkpoint, record in planner.records.items()
+                if record.session == session and record.purpose in purposes}
+
+    own = tuple(purpose for purpose in Purpose if purpose not in SHARED_PURPOSES)
+    assert max(values("a", own).values()) > 0.0
+    shared_by_a, others = values("a", SHARED_PURPOSES), values("b")
+    planner.end_session("a")
+    planner.end_session("never-planned")
+    assert "never-planned" not in planner.sessions
+    assert set(values("a", own).values()) == {0.0}
+    assert values("a", SHARED_PURPOSES) == shared_by_a and values("b") == others
+    held_by_a = set(values("a", own))
+    store.serve("b", *calls["b"][4])
+    assert held_by_a and not held_by_a & set(planner.records)
+    store.serve("a", *calls["a"][4])
+    assert not planner.sessions["a"].ended
+    assert max(values("a", own).values()) > 0.0
 
 
 def test_full_pool_admits_only_checkpoints_worth_more_than_the_least_valuable_held():

@@ -13,7 +13,7 @@ import pytest
 
 from sglang_hybrid.replay.cost_model import get_profile
 from sglang_hybrid.replay.policies import POLICIES, drive
-from sglang_hybrid.replay.policies.semantic import SemanticPolicy, tiny_state_spec
+from sglang_hybrid.replay.policies.semantic import SemanticPolicy, SessionClosingSemanticPolicy, tiny_state_spec
 from sglang_hybrid.replay.sim import simulate
 from sglang_hybrid.replay.trace import Request, Trace
 from test_planner import TOOL_RESULT_HEADER, last_n_session, message, request, text
@@ -120,3 +120,21 @@ def test_outcomes_never_beat_the_oracle(budget):
     policy = small_policy(budget)
     for step, (outcome,) in drive(requests, [policy]):
         assert outcome.cached_tokens <= step.reuse_limit
+
+
+def test_the_closing_client_ends_each_session_after_its_last_request():
+    """`semantic-closing` closes each session right after the trace's last request of it:
+    the planner sees a session end then and not before, and the replay runner builds it by
+    name with the trace."""
+    sessions = {f"s{i}": last_n_session(2 + 2 * i, tag=1000 * i) for i in range(3)}
+    requests = [as_request(name, step, calls[step])
+                for step in range(6) for name, calls in sessions.items() if step < len(calls)]
+    last = {request.session: clock for clock, request in enumerate(requests)}
+    spec = tiny_state_spec(kv_tokens=1 << 15, max_context=1 << 12)
+    policy = SessionClosingSemanticPolicy(4, PROFILE, requests, spec=spec)
+    for step, _ in drive(requests, [policy]):
+        ended = {name for name, session in policy.planner.sessions.items() if session.ended}
+        assert ended == {name for name, clock in last.items() if clock <= step.clock}
+    assert ended == set(sessions)
+    stats = simulate(Trace(requests), ["semantic", "semantic-closing"], (4,), PROFILE, progress=False)[4]
+    assert stats["semantic-closing"].recomputed_tokens > 0

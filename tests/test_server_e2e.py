@@ -150,3 +150,21 @@ def test_one_prefill_captures_every_anchor_across_chunks(servers):
         edited = prompt[:anchor] + _tokens(rng, 30)
         _, cached, _ = _ask_both(semantic, no_cache, edited)
         assert cached == anchor, f"edit after anchor {anchor} restored {cached} tokens"
+
+
+def test_close_session_ends_the_checkpoint_session(servers):
+    """``/close_session`` with the name an agent session's requests carry as
+    ``checkpoint_session`` ends that session in the semantic cache's planning (the scheduler
+    logs it); SGLang, which has no session of its own by that id, only warns, and the server
+    keeps serving."""
+    semantic, _ = servers
+    session = "e2e-closed-session"
+    prompt = _tokens(random.Random(SEEDS[1] + 7), 24)
+    _generate(semantic, prompt, {"custom_params": {"checkpoint_session": session}})
+    requests.post(f"{semantic.base_url}/close_session", json={"session_id": session}, timeout=60).raise_for_status()
+    ended = f"checkpoint session {session!r} ended"
+    deadline = time.monotonic() + 30
+    while ended not in semantic.log_tail(10**6) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert ended in semantic.log_tail(10**6)
+    assert _generate(semantic, prompt, {})["meta_info"]["cached_tokens"] > 0

@@ -104,3 +104,6 @@ class CheckpointPlanning(Protocol):
 
     def released(self, rid: str) -> None:
         """Request ``rid`` left the cache (finished or aborted)."""
+
+    def session_ended(self, session: str) -> None:
+        """The client of agent session ``session`` says it sends no more requests."""

@@ -472,6 +472,14 @@ class SemanticStateCache(UnifiedRadixCache):
             self.planning.released(req.rid)
         self._publish()
 
+    def end_session(self, session: str) -> None:
+        """The client of agent session ``session`` (what its requests name as
+        ``checkpoint_session``) sends no more requests: its checkpoints go first when slots
+        are needed. Nothing is freed now: a checkpoint it shares serves other sessions."""
+        if self.planning is not None:
+            self.planning.session_ended(session)
+            logger.info("checkpoint session %r ended", session)
+
     def reset(self) -> None:
         super().reset()
         if hasattr(self, "_staged"):

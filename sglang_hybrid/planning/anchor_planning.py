@@ -130,6 +130,10 @@ class AnchorPlanning:
             self.planner.record_checkpoint(end, session, len(cached), Purpose.CONTINUATION)
         self.planner.forget(free)
 
+    def session_ended(self, session: str) -> None:
+        if self.planner is not None:
+            self.planner.end_session(session)
+
     def released(self, rid: str) -> None:
         self._sessions.pop(rid, None)
         self._purposes.pop(rid, None)

@@ -39,9 +39,9 @@ ON_PATH, PREDICTED, SERVES_END, SAVED = range(7, 11)
 COLUMNS = 11
 # A session's counters, copied when it changes (``Session``): gaps, transitions and edits, its
 # latest request's clock, the ending of its latest output (an index into the endings seen, -1:
-# not known yet) and the gaps, transitions and edits after that ending.
-GAP_TOTAL, TRANSITIONS, EDITS, LAST_CLOCK, ENDING, GAPS_AFTER, TRANSITIONS_AFTER, EDITS_AFTER = range(8)
-SESSION_STATS = 8
+# not known yet), the gaps, transitions and edits after that ending, whether it ended.
+GAP_TOTAL, TRANSITIONS, EDITS, LAST_CLOCK, ENDING, GAPS_AFTER, TRANSITIONS_AFTER, EDITS_AFTER, ENDED = range(9)
+SESSION_STATS = 9
 
 
 def _row(checkpoint: CheckpointId) -> int:
@@ -225,7 +225,8 @@ class HeldValues:
         idle = self._clock - stats[:, LAST_CLOCK]
         horizon = 2.0 * gap
         with np.errstate(divide="ignore", invalid="ignore"):
-            self._alive[sessions] = np.where(idle <= horizon, 1.0, (horizon / idle) ** 2)
+            self._alive[sessions] = np.where(
+                stats[:, ENDED] > 0.0, 0.0, np.where(idle <= horizon, 1.0, (horizon / idle) ** 2))
         self._gap[sessions] = gap
         self._appends[sessions] = appends * gap / next_gap
         self._edit_weight[sessions] = edit_weight(gap, next_gap, scarcity(stream))
@@ -263,7 +264,8 @@ class HeldValues:
         else:
             after = (self._endings.setdefault(ending, len(self._endings)), session.gaps_after[ending],
                      session.transitions_after[ending], session.edits_after[ending])
-        self._stats[index] = (session.gap_total, session.transitions, session.edits, session.last_clock, *after)
+        self._stats[index] = (session.gap_total, session.transitions, session.edits, session.last_clock, *after,
+                              session.ended)
 
     def _read_own_rows(self, index: int) -> None:
         """What the session's own checkpoints' depths are worth to its restore points

@@ -114,6 +114,7 @@ class CheckpointPlanner:
             session.base_depth = ctx.restored_depth
         else:
             own_prefix = self._learn_transition(session, ctx.prompt_ids)
+            session.ended = False  # it came back after all
         if ctx.restored is not None and ctx.restored in self.records:
             restored = self.records[ctx.restored]
             restored.uses += 1
@@ -227,6 +228,17 @@ class CheckpointPlanner:
             raise KeyError(f"session {session!r} was never planned")
         owner.sequence, owner.index = sequence, AnchorIndex(anchors, int(sequence.shape[0]))
         owner.ending = ending
+        self._held.changed(session)
+
+    def end_session(self, session: str) -> None:
+        """``session``'s client says it sends no more requests: its own checkpoints are
+        worth nothing from now (those serving other sessions keep their value), so they are
+        evicted first. A request it sends after all opens it again. A session never planned
+        is ignored: it holds nothing."""
+        owner = self.sessions.get(session)
+        if owner is None or owner.ended:
+            return
+        owner.ended = True
         self._held.changed(session)
 
     def record_checkpoint(self, checkpoint: CheckpointId, session: str, depth: int, purpose: Purpose) -> None:

@@ -145,6 +145,9 @@ class Session:
     planned_messages: dict[int, int] = field(default_factory=dict)
     following: Optional[Follow] = None
     followers: dict[str, Follow] = field(default_factory=dict)
+    # Its client said it sends no more requests (``CheckpointPlanner.end_session``); a request
+    # it sends after all opens it again.
+    ended: bool = False
 
 
 @dataclass

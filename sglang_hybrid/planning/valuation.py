@@ -209,8 +209,11 @@ def toward(total, count, prior, weight):
 
 
 def alive(session: Session, gap: float, clock: int) -> float:
-    """P(the session sends another request), from how long it has been silent: sure
-    within twice its usual gap, then falling off as a session that ended would."""
+    """P(the session sends another request): none once its client said it ended, else from
+    how long it has been silent: sure within twice its usual gap, then falling off as a
+    session that ended would."""
+    if session.ended:
+        return 0.0
     idle = clock - session.last_clock
     horizon = 2.0 * gap
     return 1.0 if idle <= horizon else (horizon / idle) ** 2

@@ -28,7 +28,7 @@ from ..engine.tiny_models import DEFAULT_TINY_MODEL
 from .cost_model import DEFAULT_PROFILE, CostProfile, get_profile
 from .policies import POLICIES, Policy, ServeOutcome, drive, make_policy
 from .policies.bounds import ClairvoyantPolicy
-from .policies.semantic import SemanticPolicy
+from .policies.semantic import SemanticPolicy, SessionClosingSemanticPolicy
 from .results import policy_row, results_envelope, write_json, write_results
 from .trace import Request, Trace, load_trace
 
@@ -69,15 +69,22 @@ class PolicyStats:
         )
 
 
+# Policies built with the trace's requests: the offline `clairvoyant` reference knows them
+# ahead, `semantic-closing`'s client knows which request ends each session.
+TRACE_POLICIES = (ClairvoyantPolicy.name, SessionClosingSemanticPolicy.name)
+
+
 def build_policy(name: str, budget_slots: int, profile: CostProfile, host_slots: int = 0,
                  requests: Sequence[Request] = ()) -> Policy:
-    """`name` under a device budget; `host_slots` sizes the semantic policy's host tier, the
+    """`name` under a device budget; `host_slots` sizes the semantic policies' host tier, the
     other policies have none and ignore it; `requests` (in arrival order) are what the
-    offline `clairvoyant` reference knows ahead."""
+    ``TRACE_POLICIES`` are built with."""
     if name == SemanticPolicy.name:
         return SemanticPolicy(budget_slots, profile, host_slots=host_slots)
     if name == ClairvoyantPolicy.name:
         return ClairvoyantPolicy(budget_slots, profile, requests)
+    if name == SessionClosingSemanticPolicy.name:
+        return SessionClosingSemanticPolicy(budget_slots, profile, requests, host_slots=host_slots)
     return make_policy(name, budget_slots, profile)
 
 
@@ -88,8 +95,8 @@ def simulate(trace: Trace, policy_names: Sequence[str], budgets: Sequence[int], 
     `host_slots`: the semantic policy's host tier at every budget (see build_policy).
     """
     for name in policy_names:
-        if name not in POLICIES and name != ClairvoyantPolicy.name:
-            raise ValueError(f"unknown policy {name!r}; known: {', '.join([*POLICIES, ClairvoyantPolicy.name])}")
+        if name not in POLICIES and name not in TRACE_POLICIES:
+            raise ValueError(f"unknown policy {name!r}; known: {', '.join([*POLICIES, *TRACE_POLICIES])}")
     if host_slots < 0:
         raise ValueError(f"host_slots must be >= 0, got {host_slots}")
     requests = sorted(trace.requests, key=lambda r: r.arrival_s)

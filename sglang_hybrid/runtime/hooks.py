@@ -20,6 +20,11 @@ the overlap scheduler off), which is what lets the forward read what the schedul
 Mamba2 layers capture through ``mamba2_hooks.py``; models of other recurrent layer types get
 no in-prefill captures (the plugin builds their cache without a planning); they keep the
 request-end checkpoints.
+
+Beside them, ``Scheduler.close_session`` (``/close_session``): a session id that names an
+agent session (its requests' ``checkpoint_session``) ends it in the cache's planning
+(``SemanticStateCache.end_session``); SGLang then closes its own session of that id, or logs
+that it has none.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from __future__ import annotations
 import threading
 from typing import TYPE_CHECKING, Optional
 
+from sglang_hybrid.cache.semantic_cache import SemanticStateCache
 from sglang_hybrid.kernels import conv_capture_states
 from sglang_hybrid.runtime.anchor_capture import layer_captured, plan_around_prepare, queries_for_forward
 
@@ -40,6 +46,7 @@ GDN_FORWARD_EXTEND_TARGET = (
 GDN_KERNEL_EXTEND_TARGET = (
     "sglang.srt.layers.attention.linear.gdn_backend.GDNKernelDispatcher.extend"
 )
+CLOSE_SESSION_TARGET = "sglang.srt.managers.scheduler.Scheduler.close_session"
 # The GDN layer being captured, between its forward_extend and the kernel call inside it.
 _layer_capture = threading.local()
 
@@ -99,6 +106,12 @@ def capture_around_gdn_kernel_extend(original, dispatcher, q, k, v, g, beta, **k
     )  # fmt: skip
 
 
+def end_checkpoint_session_around_close_session(original, scheduler, recv_req, *args, **kwargs):
+    if isinstance(scheduler.tree_cache, SemanticStateCache):
+        scheduler.tree_cache.end_session(recv_req.session_id)
+    return original(scheduler, recv_req, *args, **kwargs)
+
+
 def _queries_for(backend, forward_batch) -> Optional["CaptureQueries"]:
     if (
         forward_batch.forward_mode.is_target_verify()
@@ -126,3 +139,4 @@ def install_anchor_capture_hooks() -> None:
         GDN_FORWARD_EXTEND_TARGET, capture_around_gdn_forward_extend, HookType.AROUND
     )
     HookRegistry.register(GDN_KERNEL_EXTEND_TARGET, capture_around_gdn_kernel_extend, HookType.AROUND)
+    HookRegistry.register(CLOSE_SESSION_TARGET, end_checkpoint_session_around_close_session, HookType.AROUND)

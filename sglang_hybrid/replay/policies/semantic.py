@@ -26,8 +26,9 @@ exactly those requests.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Sequence
 
+from ..trace import Request
 from .base import Policy, ReplayStep, ServeOutcome
 
 if TYPE_CHECKING:
@@ -114,3 +115,26 @@ class SemanticPolicy(Policy):
         if missing > 0:
             self.cache.evict(EvictParams(num_tokens=missing))
             self.kv_tokens_evicted += missing
+
+
+class SessionClosingSemanticPolicy(SemanticPolicy):
+    """`semantic` with a client that closes each agent session after its last request
+    (``/close_session``; ``SemanticStateCache.end_session``), as an agent framework can once
+    its episode is over. Built with the trace, which says which request is a session's last:
+    an upper reference for what the signal is worth, beside `semantic`, whose clients never
+    send it."""
+
+    name = "semantic-closing"
+
+    def __init__(self, budget_slots, profile, requests: Sequence[Request], *, host_slots: int = 0,
+                 spec: "HybridPoolSpec | None" = None):
+        super().__init__(budget_slots, profile, host_slots=host_slots, spec=spec)
+        # Requests in arrival order: a step's clock is its index there.
+        last = {request.session: clock for clock, request in enumerate(requests)}
+        self._session_ends = set(last.values())
+
+    def serve(self, step: ReplayStep) -> ServeOutcome:
+        outcome = super().serve(step)
+        if step.clock in self._session_ends:
+            self.cache.end_session(step.request.session)
+        return outcome
