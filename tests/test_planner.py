@@ -21,13 +21,15 @@ from sglang_hybrid.anchors.detector import AnchorDetector, AnchorKind, Role
 from sglang_hybrid.anchors.hints import validate_hints
 from sglang_hybrid.planning.addresses import FROM_END, IN_MESSAGE_FROM_END, AnchorIndex
 from sglang_hybrid.planning.edit_model import EditModel
+from sglang_hybrid.planning.anchor_planning import AnchorPlanning
 from sglang_hybrid.planning.planner import CheckpointPlanner
-from sglang_hybrid.planning.state import SHARED_PURPOSES, Purpose, RequestContext
+from sglang_hybrid.planning import planner as planner_module
+from sglang_hybrid.planning.state import FORGET_AFTER_GAPS, SHARED_PURPOSES, Purpose, RequestContext
 from sglang_hybrid.planning.valuation import (
     alive, append_probability, checkpoint_value, mean_gap, next_gap, scarcity,
 )
 from sglang_hybrid.anchors.special_tokens import QWEN3_NEWLINE_ID, QWEN3_ROLE_IDS, QWEN3_SPECIAL_IDS
-from sglang_hybrid.cache.planning import CheckpointId
+from sglang_hybrid.cache.planning import CheckpointId, RequestToPlan
 
 IM_START = QWEN3_SPECIAL_IDS["<|im_start|>"]
 IM_END = QWEN3_SPECIAL_IDS["<|im_end|>"]
@@ -525,6 +527,73 @@ def test_an_ended_session_keeps_nothing_of_its_own_until_it_comes_back():
     store.serve("a", *calls["a"][4])
     assert not planner.sessions["a"].ended
     assert max(values("a", own).values()) > 0.0
+
+
+def test_sessions_holding_nothing_are_forgotten_once_ended_or_long_silent(monkeypatch):
+    """The planner's memory of a session (counters, edit model, its latest sequence) goes once
+    the session holds no checkpoint and its client ended it or it fell silent for
+    FORGET_AFTER_GAPS of its gaps: thousands of sessions do not pile up. One that comes back
+    starts afresh, and a session that followed a forgotten one follows nothing."""
+    monkeypatch.setattr(planner_module, "FORGET_SWEEP_REQUESTS", 16)
+    planner = CheckpointPlanner()
+    store = PrefixStore(planner, budget=8, evict=True)
+    for i in range(200):
+        for call in last_n_session(2, tag=1000 * i):  # two requests, then silence
+            store.serve(f"s{i}", *call)
+    assert len(planner.sessions) < 2 * FORGET_AFTER_GAPS
+    assert {record.session for record in planner.records.values()} <= set(planner.sessions)
+    assert "s0" not in planner.sessions
+    store.serve("s0", *last_n_session(3, tag=0)[2])
+    assert planner.sessions["s0"].transitions == 0
+
+    lead = last_n_session(3, tag=777_001)  # a system prompt no other session has
+    store.serve("lead", *lead[0])
+    store.serve("trial", *lead[0])  # a second trial of the task: the same first prompt
+    assert planner.sessions["trial"].following.leader == "lead"
+    held_by_lead = [checkpoint for checkpoint, record in planner.records.items() if record.session == "lead"]
+    planner.forget(held_by_lead)
+    for checkpoint in held_by_lead:
+        del store.checkpoints[checkpoint]
+    planner.end_session("lead")
+    while "lead" in planner.sessions:
+        store.serve("other", *last_n_session(2, tag=888_001)[1])
+    assert planner.sessions["trial"].following is None
+    store.serve("trial", *lead[1])
+    store.serve("third", *lead[0])
+    assert planner.sessions["third"].following is None
+
+
+def test_a_request_whose_session_is_forgotten_while_it_runs_finishes_unrecorded(monkeypatch):
+    """The planner forgets a session while its request still runs (silent past
+    FORGET_AFTER_GAPS, holding nothing): the request's staged checkpoints and its end state
+    stay unrecorded (worth nothing, the first to go), and the free slots the cache reports
+    with its finish are forgotten as with any other."""
+    monkeypatch.setattr(planner_module, "FORGET_SWEEP_REQUESTS", 4)
+    planning = AnchorPlanning(DETECTOR, "adaptive", CheckpointPlanner())
+    planner = planning.planner
+
+    def to_plan(rid: str, session: str, prompt: np.ndarray) -> RequestToPlan:
+        return RequestToPlan(rid=rid, prompt=prompt.astype(np.int64), session=session, hint=None, restored_depth=0,
+                             restored=None, tree_lcp=0, held_depths=(), free_slots=64, pool_slots=64)
+
+    slow_prompt, slow_output = last_n_session(3, tag=1)[2]
+    depths = planning.plan(to_plan("slow", "slow", slow_prompt))
+    assert depths
+    others = last_n_session(2, tag=5000)
+    turn = 0
+    while "slow" in planner.sessions:
+        prompt, output = others[turn % 2]
+        planning.plan(to_plan(f"other-{turn}", "other", prompt))
+        planning.finished(f"other-{turn}", np.concatenate([prompt, output[:-1]]).astype(np.int64), len(prompt),
+                          None, [])
+        planning.released(f"other-{turn}")
+        turn += 1
+    planning.staged("slow", depths[0], CheckpointId.device(1))
+    planner.record_checkpoint(CheckpointId.device(3), "other", 5, Purpose.PROMPT_TAIL)
+    cached = np.concatenate([slow_prompt, slow_output[:-1]]).astype(np.int64)
+    planning.finished("slow", cached, len(slow_prompt), CheckpointId.device(2), [CheckpointId.device(3)])
+    planning.released("slow")
+    assert not planner.records
 
 
 def test_full_pool_admits_only_checkpoints_worth_more_than_the_least_valuable_held():

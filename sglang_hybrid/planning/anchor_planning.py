@@ -95,8 +95,11 @@ class AnchorPlanning:
         return record.session if record is not None else None
 
     def staged(self, rid: str, depth: int, checkpoint: CheckpointId) -> None:
-        if self.planner is not None:
-            self.planner.record_checkpoint(checkpoint, self._sessions[rid], depth, self._purposes[rid][depth])
+        session = self._sessions[rid]
+        # A session forgotten while its request ran (``FORGET_AFTER_GAPS``) has no record to
+        # add to: the checkpoint stays unvalued, the first to go.
+        if self.planner is not None and session in self.planner.sessions:
+            self.planner.record_checkpoint(checkpoint, session, depth, self._purposes[rid][depth])
 
     def value(self, checkpoint: CheckpointId, depth: int) -> float:
         return self.planner.value(checkpoint, depth)
@@ -120,14 +123,16 @@ class AnchorPlanning:
         end: Optional[CheckpointId],
         free: Sequence[CheckpointId],
     ) -> None:
-        session = self._sessions.get(rid)
-        if self.planner is None or session is None or session not in self.planner.sessions:
+        if self.planner is None:
             return
-        output = cached[prompt_len:]
-        anchors = self.detector.detect(cached[:prompt_len], output)
-        self.planner.request_finished(session, cached, anchors, self.detector.output_ending(output))
-        if end is not None:
-            self.planner.record_checkpoint(end, session, len(cached), Purpose.CONTINUATION)
+        session = self._sessions.get(rid)
+        # A session forgotten while its request ran learns nothing from it (``staged``).
+        if session is not None and session in self.planner.sessions:
+            output = cached[prompt_len:]
+            anchors = self.detector.detect(cached[:prompt_len], output)
+            self.planner.request_finished(session, cached, anchors, self.detector.output_ending(output))
+            if end is not None:
+                self.planner.record_checkpoint(end, session, len(cached), Purpose.CONTINUATION)
         self.planner.forget(free)
 
     def session_ended(self, session: str) -> None:

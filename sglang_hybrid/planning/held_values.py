@@ -61,6 +61,7 @@ class HeldValues:
         # Session name -> index; each session's rows, and of those its own checkpoints'.
         self._index: dict[str, int] = {}
         self._names: list[str] = []
+        self._free_indices: list[int] = []  # of sessions the planner forgot
         self._rows_of: dict[int, set[int]] = {}
         self._own_rows_of: dict[int, set[int]] = {}
         # By session index: its counters, and for the clock tick of the values its mean gap,
@@ -145,6 +146,17 @@ class HeldValues:
         index = self._index.get(session)
         if index is not None:
             self._paths_changed.add(index)
+
+    def forgotten(self, session: str) -> None:
+        """The planner forgot ``session``, which holds no checkpoint: its index serves the
+        next new session."""
+        index = self._index.pop(session, None)
+        if index is None:
+            return
+        self._names[index] = ""
+        for pending in (self._changed, self._paths_changed, self._current):
+            pending.discard(index)
+        self._free_indices.append(index)
 
     # ---- values ----
 
@@ -287,8 +299,13 @@ class HeldValues:
 
     def _session_index(self, name: str) -> int:
         index = self._index.get(name)
-        if index is None:
-            index = self._index[name] = len(self._names)
+        if index is not None:
+            return index
+        if self._free_indices:
+            index = self._free_indices.pop()
+            self._names[index] = name
+        else:
+            index = len(self._names)
             self._names.append(name)
             if index >= self._gap.shape[0]:
                 size = max(16, 2 * self._gap.shape[0])
@@ -296,7 +313,8 @@ class HeldValues:
                     np.resize(array, size)
                     for array in (self._gap, self._appends, self._alive, self._edit, self._edit_weight))
                 self._stats = np.concatenate([self._stats, np.zeros((size - self._stats.shape[0], SESSION_STATS))])
-            self._changed.add(index)  # its counters are read with the next values
+        self._index[name] = index
+        self._changed.add(index)  # its counters are read with the next values
         return index
 
     def _grow(self, rows: int) -> None:

@@ -57,8 +57,8 @@ from sglang_hybrid.planning.edit_model import EditModel
 from sglang_hybrid.planning.following import PrefixProducers, prefix_digests
 from sglang_hybrid.planning.held_values import HeldValues
 from sglang_hybrid.planning.state import (
-    PRIOR_EDITS, SHARED_PURPOSES, CheckpointPlan, Purpose, Record, RequestContext, Session,
-    StreamStats,
+    FORGET_AFTER_GAPS, FORGET_SWEEP_REQUESTS, PRIOR_EDITS, SHARED_PURPOSES, CheckpointPlan, Purpose, Record,
+    RequestContext, Session, StreamStats,
 )
 from sglang_hybrid.planning.valuation import (
     checkpoint_value, edit_probability, followed_value, mean_gap, shared_prior, shared_value,
@@ -106,6 +106,8 @@ class CheckpointPlanner:
     def plan(self, ctx: RequestContext) -> CheckpointPlan:
         self.stream.clock += 1
         self.stream.pool_slots = ctx.pool_slots
+        if self.clock % FORGET_SWEEP_REQUESTS == 0:
+            self._forget_idle_sessions()
         prompt_len = int(ctx.prompt_ids.shape[0])
         session = self.sessions.get(ctx.session)
         own_prefix = 0
@@ -157,6 +159,8 @@ class CheckpointPlanner:
         starts = [int(d) for d in ctx.anchors.of_kind(AnchorKind.MESSAGE_START).tolist() if 0 < d < prompt_len]
         digests, session.planned_messages = prefix_digests(ctx.prompt_ids, [*starts, prompt_len])
         follow = self._producers.leader(ctx.session, starts, digests, session.planned_messages)
+        if follow is not None and follow.leader not in self.sessions:
+            follow = None  # the session it repeats was forgotten
         before = session.following
         if before is not None:
             self.stream.follow_seen[before.whole] += 1
@@ -240,6 +244,21 @@ class CheckpointPlanner:
             return
         owner.ended = True
         self._held.changed(session)
+
+    def _forget_idle_sessions(self) -> None:
+        """Forget the sessions that hold no checkpoint and ended or fell silent
+        (``FORGET_AFTER_GAPS``), and every follow relation naming them."""
+        holding = {record.session for record in self.records.values()}
+        idle = [name for name, session in self.sessions.items() if name not in holding and (
+            session.ended or self.clock - session.last_clock > FORGET_AFTER_GAPS * mean_gap(session, self.stream))]
+        for name in idle:
+            session = self.sessions.pop(name)
+            if session.following is not None and session.following.leader in self.sessions:
+                self.sessions[session.following.leader].followers.pop(name, None)
+            for follower in session.followers:
+                if follower in self.sessions:
+                    self.sessions[follower].following = None
+            self._held.forgotten(name)
 
     def record_checkpoint(self, checkpoint: CheckpointId, session: str, depth: int, purpose: Purpose) -> None:
         """``checkpoint`` now holds ``session``'s checkpoint at ``depth`` (taken for ``purpose``)."""

@@ -27,6 +27,13 @@ CAPTURE_COST_TOKENS = 1.0
 # Prompt prefixes (at message starts) whose first producer the planner remembers, to tell which
 # session a request follows; the oldest are forgotten first.
 MAX_REMEMBERED_PREFIXES = 1 << 16
+# A session that holds no checkpoint is forgotten -- its counters, edit model and latest
+# sequence (8 bytes a token: a server meeting thousands of 30k-token sessions a day would
+# otherwise grow by gigabytes) -- once its client ended it or it has been silent for
+# FORGET_AFTER_GAPS of its mean gaps (``alive`` is then below 1/1000). The planner looks
+# every FORGET_SWEEP_REQUESTS requests; a session that comes back starts from the stream's priors.
+FORGET_AFTER_GAPS = 64
+FORGET_SWEEP_REQUESTS = 256
 
 
 class Purpose(IntEnum):
