@@ -26,7 +26,7 @@ from sglang_hybrid.planning.planner import CheckpointPlanner
 from sglang_hybrid.planning import planner as planner_module
 from sglang_hybrid.planning.state import FORGET_AFTER_GAPS, SHARED_PURPOSES, Purpose, RequestContext
 from sglang_hybrid.planning.valuation import (
-    alive, append_probability, checkpoint_value, mean_gap, next_gap, scarcity,
+    alive, append_probability, checkpoint_value, mean_gap, next_gap, pool_share, stream_mean_gap,
 )
 from sglang_hybrid.anchors.special_tokens import QWEN3_NEWLINE_ID, QWEN3_ROLE_IDS, QWEN3_SPECIAL_IDS
 from sglang_hybrid.cache.planning import CheckpointId, RequestToPlan
@@ -449,53 +449,42 @@ def test_an_append_that_comes_sooner_is_worth_more_per_request():
     assert max(scaled["answer"]) < 0.9, scaled
 
 
-def test_a_scarce_pool_weighs_a_predicted_edit_by_how_soon_its_session_returns():
+def test_the_pool_share_weighs_a_predicted_edit_by_how_soon_and_how_long():
     """The prompt tail after an answer is where the user's next turn, which re-renders the
     answer without its reasoning, restores. With a slot for every active session it is worth
-    its edit share of what it saves however long the user takes; with a slot for every two
-    sessions or fewer, that share times how much sooner than the session's mean gap its next
-    request comes, at most all of it: a slot waiting for a user is one the sessions running
-    tool calls, back sooner, lack."""
+    its edit share of what it saves. With a slot for every two sessions or fewer, that share
+    times how much sooner than the session's mean gap its next request comes, at most all of
+    it: a slot waiting for a user is one the sessions running tool calls, back sooner, lack.
+    With four slots for each, a checkpoint can wait through four of its session's requests:
+    worth the chance that one of them restores there, more than the next one's and less than
+    four times it."""
     planner = CheckpointPlanner()
 
-    def value_with_pool(checkpoint: CheckpointId, slots: int) -> float:
+    def value_with_share(checkpoint: CheckpointId, share: float) -> float:
+        """Its value if the pool held ``share`` slots per active session."""
         stream = planner.stream
-        kept, stream.pool_slots = stream.pool_slots, slots
+        kept, stream.pool_slots = stream.pool_slots, share * stream_mean_gap(stream)
         try:
-            assert scarcity(stream) == (0.0 if slots >= 1000 else 1.0)
+            assert pool_share(stream) == share
             return checkpoint_value(planner.records[checkpoint], checkpoint, planner.sessions, stream)
         finally:
             stream.pool_slots = kept
 
-    ratios, soon = {}, {}
+    scarce, ample, soon = {}, {}, {}
     for turn, prompt, ending in agent_among_other_sessions(PrefixStore(planner)):
         session = planner.sessions["agent"]
         if turn >= 9:
             tail = next(checkpoint for checkpoint, record in planner.records.items()
                         if record.session == "agent" and record.depth == len(prompt) - 1)
-            ample, scarce = value_with_pool(tail, 1000), value_with_pool(tail, 1)
-            assert ample > 0.0
-            ratios.setdefault(ending, []).append(scarce / ample)
+            one_each = value_with_share(tail, 1.0)
+            assert one_each > 0.0
+            scarce.setdefault(ending, []).append(value_with_share(tail, 0.5) / one_each)
+            ample.setdefault(ending, []).append(value_with_share(tail, 4.0) / one_each)
             soon.setdefault(ending, []).append(mean_gap(session, planner.stream) / next_gap(session, planner.stream))
-    assert ratios["tool call"] == [1.0] * len(ratios["tool call"]), ratios
-    assert max(ratios["answer"]) < 0.9, ratios
-    assert ratios["answer"] == pytest.approx(soon["answer"]), (ratios, soon)
-
-
-def test_hints():
-    calls = last_n_session(3)
-    prompt, output = calls[2]
-    planner = CheckpointPlanner()
-    store = PrefixStore(planner)
-    plan, _ = store.serve("s", prompt, output, hint=validate_hints("none", len(prompt), 8))
-    assert plan.checkpoints == ()
-    other_prompt, other_output = last_n_session(3, tag=9000)[2]
-    plan, _ = store.serve("t", other_prompt, other_output, hint=validate_hints([7, 20], len(other_prompt), 8))
-    assert {(7, Purpose.HINT), (20, Purpose.HINT)} <= {(c.depth, c.purpose) for c in plan.checkpoints}
-    third_prompt, third_output = last_n_session(3, tag=18000)[2]
-    plan, _ = store.serve("u", third_prompt, third_output, hint=validate_hints("messages", len(third_prompt), 8))
-    starts = DETECTOR.detect(third_prompt).of_kind(1).tolist()  # AnchorKind.MESSAGE_START
-    assert set(d for d in starts if 0 < d < len(third_prompt)) <= set(plan.depths)
+    assert scarce["tool call"] == [1.0] * len(scarce["tool call"]), scarce
+    assert max(scarce["answer"]) < 0.9, scarce
+    assert scarce["answer"] == pytest.approx(soon["answer"]), (scarce, soon)
+    assert all(1.0 < ratio < 4.0 for ratios in ample.values() for ratio in ratios), ample
 
 
 def test_an_ended_session_keeps_nothing_of_its_own_until_it_comes_back():

@@ -27,8 +27,8 @@ import numpy as np
 from sglang_hybrid.cache.planning import CheckpointId, Tier
 from sglang_hybrid.planning.state import PRIOR_GAPS, SHARED_PURPOSES, Purpose, Record, Session, StreamStats
 from sglang_hybrid.planning.valuation import (
-    edit_rate, edit_weight, followed_value, restore_shares, scarcity, shared_prior, shared_value, stream_mean_gap,
-    toward,
+    edit_rate, edit_weight, followed_value, restore_horizon, restore_shares, scarcity, shared_prior, shared_value,
+    stream_mean_gap, toward, within_horizon,
 )
 
 # The table's columns. Flags are 0.0 / 1.0.
@@ -252,7 +252,8 @@ class HeldValues:
                          shared_prior(Purpose.SHARED_PATH, self._stream))
         shared = shared_value(table[:, SPAN], table[:, USES], self._clock - table[:, CREATED], prior, gap)
         # Own: P(the session's next request restores from it) x P(alive) x tokens saved.
-        probability = table[:, PREDICTED] * self._edit_weight[session] + table[:, SERVES_END] * self._appends[session]
+        predicted = within_horizon(table[:, PREDICTED], restore_horizon(self._stream))
+        probability = predicted * self._edit_weight[session] + table[:, SERVES_END] * self._appends[session]
         probability = np.where(table[:, HINT] > 0.0, np.maximum(probability, self._edit[session]), probability)
         kept = (table[:, ON_PATH] > 0.0) & (probability > 0.0)
         own = np.where(kept, probability * self._alive[session] * table[:, SAVED], 0.0)

@@ -55,7 +55,7 @@ def own_value(session: Session, record: Record, checkpoint: Optional[CheckpointI
     # short of slots (``edit_weight``).
     wait = next_gap(session, stream)
     appends = append_probability(session, stream) * gap / wait
-    probability = shares.probability(depth, appends, edit_weight(gap, wait, scarcity(stream)))
+    probability = shares.probability(depth, appends, restore_horizon(stream), edit_weight(gap, wait, scarcity(stream)))
     if purpose is Purpose.HINT:
         # The client says an edit will land here: trust it as much as the session's edits.
         probability = max(probability, edit_probability(session, stream))
@@ -111,11 +111,12 @@ class RestoreShares:
     end: Optional[int]  # the depth serving the end, if any
     depths: tuple[int, ...]  # the distinct depths, ascending
 
-    def probability(self, depth: int, append_probability: float, edit_weight: float) -> float:
+    def probability(self, depth: int, append_probability: float, horizon: float, edit_weight: float) -> float:
         """P(the session's next request restores from a checkpoint at ``depth``), its
-        predicted edit points weighed by ``edit_weight``."""
+        predicted edit points counted over ``horizon`` requests (``within_horizon``) and
+        weighed by ``edit_weight``."""
         appends = append_probability if depth == self.end else 0.0
-        return self.predicted.get(depth, 0.0) * edit_weight + appends
+        return within_horizon(self.predicted.get(depth, 0.0), horizon) * edit_weight + appends
 
     def below(self, depth: int) -> int:
         """The deepest depth shallower than ``depth`` (0 if none)."""
@@ -183,13 +184,33 @@ def next_gap(session: Session, stream: StreamStats) -> float:
     return toward(session.gaps_after[ending], session.transitions_after[ending], prior, PRIOR_GAPS)
 
 
+def pool_share(stream: StreamStats) -> float:
+    """The checkpoint pool's slots per active session: the stream's mean gap is the number of
+    sessions active (between two requests of one session, each other active session sends
+    one)."""
+    return stream.pool_slots / stream_mean_gap(stream)
+
+
 def scarcity(stream: StreamStats) -> float:
-    """How far the checkpoint pool is from a slot per active session: 0 with one for each
-    (its slots at least the stream's mean gap, which is the number of sessions active: between
-    two requests of one session, each other active session sends one), 1 with one for every
-    two sessions or fewer."""
-    share = stream.pool_slots / stream_mean_gap(stream)
-    return min(max(2.0 - 2.0 * share, 0.0), 1.0)
+    """How far the pool is from a slot per active session: 0 with one for each, 1 with one
+    for every two sessions or fewer."""
+    return min(max(2.0 - 2.0 * pool_share(stream), 0.0), 1.0)
+
+
+def restore_horizon(stream: StreamStats) -> float:
+    """The requests of its session a checkpoint can expect to wait through in the pool: the
+    next one, or, with more slots than sessions active, one per slot each session has."""
+    return max(1.0, pool_share(stream))
+
+
+def within_horizon(probability, horizon):
+    """P(a point predicted at ``probability`` per request is restored within ``horizon``
+    requests): ``1 - (1 - p)^h`` for small ``p`` and exact at ``p`` = 0 or 1 and ``h`` = 1,
+    as ``p h / (1 + p (h - 1))`` -- arithmetic only, so scalars and arrays give the same floats
+    (Python's and numpy's ``**`` differ in the last bit). A rule that edits one request in
+    several (a condensation, a rewritten memory block) is worth a slot a session holds for
+    that many requests. Scalars or arrays alike."""
+    return probability * horizon / (1.0 + probability * (horizon - 1.0))
 
 
 def edit_weight(gap, next_gap, scarcity):
