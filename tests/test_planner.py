@@ -26,7 +26,7 @@ from sglang_hybrid.planning.planner import CheckpointPlanner
 from sglang_hybrid.planning import planner as planner_module
 from sglang_hybrid.planning.state import FORGET_AFTER_GAPS, SHARED_PURPOSES, Purpose, RequestContext
 from sglang_hybrid.planning.valuation import (
-    alive, append_probability, checkpoint_value, mean_gap, next_gap, pool_share, stream_mean_gap,
+    alive, append_probability, checkpoint_value, followed_value, mean_gap, next_gap, pool_share, stream_mean_gap,
 )
 from sglang_hybrid.anchors.special_tokens import QWEN3_NEWLINE_ID, QWEN3_ROLE_IDS, QWEN3_SPECIAL_IDS
 from sglang_hybrid.cache.planning import CheckpointId, RequestToPlan
@@ -487,6 +487,22 @@ def test_the_pool_share_weighs_a_predicted_edit_by_how_soon_and_how_long():
     assert all(1.0 < ratio < 4.0 for ratios in ample.values() for ratio in ratios), ample
 
 
+def test_hints():
+    calls = last_n_session(3)
+    prompt, output = calls[2]
+    planner = CheckpointPlanner()
+    store = PrefixStore(planner)
+    plan, _ = store.serve("s", prompt, output, hint=validate_hints("none", len(prompt), 8))
+    assert plan.checkpoints == ()
+    other_prompt, other_output = last_n_session(3, tag=9000)[2]
+    plan, _ = store.serve("t", other_prompt, other_output, hint=validate_hints([7, 20], len(other_prompt), 8))
+    assert {(7, Purpose.HINT), (20, Purpose.HINT)} <= {(c.depth, c.purpose) for c in plan.checkpoints}
+    third_prompt, third_output = last_n_session(3, tag=18000)[2]
+    plan, _ = store.serve("u", third_prompt, third_output, hint=validate_hints("messages", len(third_prompt), 8))
+    starts = DETECTOR.detect(third_prompt).of_kind(1).tolist()  # AnchorKind.MESSAGE_START
+    assert set(d for d in starts if 0 < d < len(third_prompt)) <= set(plan.depths)
+
+
 def test_an_ended_session_keeps_nothing_of_its_own_until_it_comes_back():
     """Once its client says a session ended, its own checkpoints are worth nothing, so a full
     pool evicts them first, and the other sessions' keep their values; a request it sends
@@ -583,6 +599,51 @@ def test_a_request_whose_session_is_forgotten_while_it_runs_finishes_unrecorded(
     planning.finished("slow", cached, len(slow_prompt), CheckpointId.device(2), [CheckpointId.device(3)])
     planning.released("slow")
     assert not planner.records
+
+
+def test_an_ended_session_sending_again_on_a_sweep_keeps_what_it_learned(monkeypatch):
+    """A request from an ended session that holds nothing reopens it even when it arrives as
+    the planner forgets idle sessions: it is not the one forgotten."""
+    monkeypatch.setattr(planner_module, "FORGET_SWEEP_REQUESTS", 1)
+    planner = CheckpointPlanner()
+    store = PrefixStore(planner)
+    calls = last_n_session(3, tag=0)
+    store.serve("a", *calls[0])
+    store.serve("a", *calls[1])
+    held = [checkpoint for checkpoint, record in planner.records.items() if record.session == "a"]
+    planner.forget(held)
+    for checkpoint in held:
+        del store.checkpoints[checkpoint]
+    planner.end_session("a")
+    store.serve("a", *calls[2])
+    assert planner.sessions["a"].transitions == 2 and not planner.sessions["a"].ended
+
+
+def test_ending_a_follower_lowers_what_its_leader_shares_with_it_at_once():
+    """A leader's shared-path checkpoints are worth what a following trial would restore from
+    them. Once the follower's client ends it they are worth that much less at once, before any
+    other request: an eviction in between sees it."""
+    leader = recent_window_session(8, tag=10_000, keep=6)
+    follower = recent_window_session(8, tag=10_000, keep=6, parted_at=4, parted_tag=30_000)
+    planner = CheckpointPlanner()
+    store = PrefixStore(planner)
+    followed = []
+    for step in range(8):
+        if step >= 1:
+            store.serve("trial-1", *follower[step - 1])
+        store.serve("trial-0", *leader[step])
+        followed = [checkpoint for checkpoint, record in planner.records.items() if record.session == "trial-0"
+                    and followed_value(planner.sessions["trial-0"], record, planner.sessions, planner.stream) > 0]
+        if followed:
+            break
+    assert followed
+    before = {checkpoint: planner.value(checkpoint, planner.records[checkpoint].depth) for checkpoint in followed}
+    planner.end_session("trial-1")
+    for checkpoint, record in planner.records.items():
+        fresh = checkpoint_value(record, checkpoint, planner.sessions, planner.stream)
+        assert planner.value(checkpoint, record.depth) == fresh
+    assert all(planner.value(checkpoint, planner.records[checkpoint].depth) < value
+               for checkpoint, value in before.items())
 
 
 def test_full_pool_admits_only_checkpoints_worth_more_than_the_least_valuable_held():

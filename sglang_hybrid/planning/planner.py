@@ -107,7 +107,7 @@ class CheckpointPlanner:
         self.stream.clock += 1
         self.stream.pool_slots = ctx.pool_slots
         if self.clock % FORGET_SWEEP_REQUESTS == 0:
-            self._forget_idle_sessions()
+            self._forget_idle_sessions(sending=ctx.session)
         prompt_len = int(ctx.prompt_ids.shape[0])
         session = self.sessions.get(ctx.session)
         own_prefix = 0
@@ -244,12 +244,16 @@ class CheckpointPlanner:
             return
         owner.ended = True
         self._held.changed(session)
+        if owner.following is not None:
+            # Its leader's shared-path checkpoints were worth what it would restore from them.
+            self._held.changed(owner.following.leader)
 
-    def _forget_idle_sessions(self) -> None:
+    def _forget_idle_sessions(self, sending: str) -> None:
         """Forget the sessions that hold no checkpoint and ended or fell silent
-        (``FORGET_AFTER_GAPS``), and every follow relation naming them."""
+        (``FORGET_AFTER_GAPS``), but the one ``sending`` a request, and every follow relation
+        naming them."""
         holding = {record.session for record in self.records.values()}
-        idle = [name for name, session in self.sessions.items() if name not in holding and (
+        idle = [name for name, session in self.sessions.items() if name not in holding and name != sending and (
             session.ended or self.clock - session.last_clock > FORGET_AFTER_GAPS * mean_gap(session, self.stream))]
         for name in idle:
             session = self.sessions.pop(name)

@@ -52,7 +52,8 @@ def own_value(session: Session, record: Record, checkpoint: Optional[CheckpointI
     # later after an answer (a user types the next turn): the sooner, the more requests the
     # slot serves per unit of time. A predicted edit may come later than the next request (the
     # one closing a chain of tool calls): how soon counts for it only as far as the pool is
-    # short of slots (``edit_weight``).
+    # short of slots (``edit_weight``), and with slots to spare it counts over the requests a
+    # checkpoint can wait through (``restore_horizon``).
     wait = next_gap(session, stream)
     appends = append_probability(session, stream) * gap / wait
     probability = shares.probability(depth, appends, restore_horizon(stream), edit_weight(gap, wait, scarcity(stream)))
