@@ -71,9 +71,6 @@ class SemanticStateCache(UnifiedRadixCache):
         self.planning = planning
         self.stats = CheckpointStats()
         self._observers: list[CheckpointObserver] = []
-        # Set while the cache evicts checkpoints for its own slot allocation, so the
-        # component can tell an LRU checkpoint eviction from a KV eviction dropping one.
-        self.evicting_checkpoints = False
         # Requests whose checkpoints were planned, from their first prefill forward until
         # they leave; rid -> [(depth, slot)] staged for them and not yet in the tree.
         self._planned: set[str] = set()
@@ -149,13 +146,9 @@ class SemanticStateCache(UnifiedRadixCache):
         tier.reclaim(int(agreed.item()))
 
     def evict_checkpoints(self, num: int) -> int:
-        """Drop ``num`` unlocked checkpoints in LRU order, keeping their KV."""
-        self.evicting_checkpoints = True
-        try:
-            return super().evict(EvictParams(num_tokens=0, mamba_num=num)).mamba_num_evicted
-        finally:
-            self.evicting_checkpoints = False
-            self.components[MAMBA].eviction_values = None
+        """Drop up to ``num`` unlocked checkpoints (``SemanticMambaComponent.evict_checkpoints``),
+        keeping their KV; return how many went."""
+        return self.components[MAMBA].evict_checkpoints(num)
 
     def evict(self, params: EvictParams) -> EvictResult:
         result = super().evict(self._without_live_state_request(params))
@@ -168,9 +161,10 @@ class SemanticStateCache(UnifiedRadixCache):
         return result
 
     def _without_live_state_request(self, params: EvictParams) -> EvictParams:
-        # Outside evict_checkpoints, mamba_num asks for live request slots; the tree holds
-        # none of those, so dropping checkpoints would lose cache and free nothing useful.
-        if self.evicting_checkpoints or params.mamba_num == 0:
+        # mamba_num asks for live request slots; the tree holds none of those, so dropping
+        # checkpoints would lose cache and free nothing useful (``evict_checkpoints`` drops
+        # them when a checkpoint needs a slot).
+        if params.mamba_num == 0:
             return params
         return replace(params, mamba_num=0)
 

@@ -54,9 +54,6 @@ class SemanticMambaComponent(MambaComponent):
                 "SemanticMambaComponent needs a StateCheckpointPool installed as "
                 "req_to_token_pool.mamba_ckpt_pool (the semantic backend factory does this)"
             )
-        # True while this component tombstones its own eviction victim; a state dropped
-        # at any other time goes with its node's KV.
-        self._lru_victim_walk = False
         # Checkpoints demoted to the host tier: node id -> host slot, and their recency.
         self.host_slots: dict[int, torch.Tensor] = {}
         self.host_lru: OrderedDict[int, "UnifiedTreeNode"] = OrderedDict()
@@ -247,49 +244,47 @@ class SemanticMambaComponent(MambaComponent):
         freed = super().evict_component(node, device_frees, host_frees, cache_actions, target)
         if device_slot is not None and node.component_data[MAMBA].value is None:
             self.slot_held[int(device_slot)] = False
-        if self._lru_victim_walk:
-            return freed
         self._drop_host_copy(node)
         if held:
             self.cache.stats.dropped_with_kv += 1
         return freed
 
-    def _evict_device_next_node(self, tracker, device_frees, host_frees, cache_actions):
-        """Tombstone one unlocked checkpoint, keeping its KV.
+    def evict_checkpoints(self, num: int) -> int:
+        """Tombstone up to ``num`` unlocked checkpoints, keeping their KV matchable; return
+        how many went.
 
-        The stock walk deletes a leaf whole (KV included) when its state is the victim;
-        here a checkpoint victim only loses its slot and the KV stays matchable. The victim
-        is the least recently restored checkpoint, or, when the cache's planning evicts by
-        value, the one it values least (ties go to the least recent).
+        The victim is the least recently restored checkpoint, or, when the cache's planning
+        evicts by value, the one it values least (ties go to the least recent). SGLang's
+        generic walk (``UnifiedRadixCache.evict``) would delete a leaf whole, KV included,
+        when its state is the victim, and its per-step bookkeeping cost more than the
+        tombstoning itself; a tombstone is one node's value, its LRU entry and its slot.
         """
-        if tracker[MAMBA] >= self._evict_device_request_cnt:
-            return None
-        victim, value = self._pick_victim()
-        if victim is None:
-            return None
-        device_slot = victim.component_data[MAMBA].value
-        self._lru_victim_walk = True
+        evicted = 0
         try:
-            self.tree_core._evict_component_and_detach_lru(
-                victim,
-                self,
-                target=EvictLayer.DEVICE,
-                tracker=tracker,
-                device_frees=device_frees,
-                host_frees=host_frees,
-                cache_actions=cache_actions,
-            )
+            while evicted < num:
+                victim, value = self._pick_victim()
+                if victim is None:
+                    break
+                self._tombstone(victim, value)
+                evicted += 1
         finally:
-            self._lru_victim_walk = False
-        if self._demote(victim, device_slot, value):
-            # The tier hands the device slot back once its copy is done, not the drain.
-            frees = device_frees[MAMBA]
-            del frees[next(i for i, v in enumerate(frees) if v is device_slot)]
-        else:
+            self.eviction_values = None
+        return evicted
+
+    def _tombstone(self, victim: "UnifiedTreeNode", value: Optional[float]) -> None:
+        device_slot = victim.component_data[MAMBA].value
+        # The stock tombstoning (sizes, host LRU), not this class's, which drops a host copy.
+        MambaComponent.evict_component(self, victim, {MAMBA: []}, {}, [], target=EvictLayer.DEVICE)
+        self.slot_held[int(device_slot)] = False
+        lru = self.tree_core.lru_lists[MAMBA]
+        if lru.in_list(victim):
+            lru.remove_node(victim)
+        self.tree_core._update_evictable_leaf_sets(victim)
+        if not self._demote(victim, device_slot, value):
+            # A demoted slot goes back once the tier's copy is done, not here.
+            self.checkpoint_pool.free(device_slot)
             self.cache.stats.evicted += 1
             self.cache.checkpoint_evicted(CheckpointId.device(device_slot))
-        self.tree_core._update_evictable_leaf_sets(victim)
-        return None
 
     def _touched(self, node: "UnifiedTreeNode") -> None:
         """``node``'s checkpoint went to the MRU end of the MAMBA LRU list."""
