@@ -21,6 +21,9 @@ MULTIPLIER = 0x9E3779B97F4A7C15
 INVERSE = pow(MULTIPLIER, -1, 1 << 64)
 _powers = np.ones(1, dtype=np.uint64)  # MULTIPLIER ** i, grown on demand
 _inverse_powers = np.ones(1, dtype=np.uint64)
+# The prefix sums of the latest prompt, reused: a fresh buffer of a 128k-token prompt (1 MiB)
+# costs more in page faults than the hashing itself. The planner runs on one thread.
+_sums = np.zeros(1, dtype=np.uint64)
 
 
 def _power_tables(length: int) -> tuple[np.ndarray, np.ndarray]:
@@ -43,12 +46,18 @@ def prefix_digests(prompt: np.ndarray, boundaries: list[int]) -> tuple[list[int]
 
     Vectorized over the prompt: hashing each message with SHA-256 cost ~2 us of call overhead
     per message (~200 us per 100-message prompt at any length) on the scheduler thread."""
+    global _sums
     length = int(prompt.shape[0])
     powers, inverse_powers = _power_tables(length)
+    if _sums.shape[0] <= length:
+        _sums = np.zeros(max(length + 1, 2 * _sums.shape[0]), dtype=np.uint64)
+    sums = _sums[: length + 1]
+    terms = sums[1:]
+    np.add(prompt, 1, out=terms, dtype=np.uint64, casting="unsafe")
+    np.multiply(terms, powers[:length], out=terms)
+    np.cumsum(terms, out=terms)
     ends = np.asarray(boundaries, dtype=np.int64)
     starts = np.concatenate([[0], ends[:-1]])
-    sums = np.zeros(length + 1, dtype=np.uint64)
-    np.cumsum((prompt.astype(np.uint64) + np.uint64(1)) * powers[:length], out=sums[1:])
     prefixes = sums[ends]
     messages = (prefixes - sums[starts]) * inverse_powers[starts]
     return prefixes.tolist(), {

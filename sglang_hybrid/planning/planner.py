@@ -177,8 +177,11 @@ class CheckpointPlanner:
         length of their common prefix."""
         previous = session.sequence
         n = min(previous.shape[0], prompt.shape[0])
-        differ = np.flatnonzero(previous[:n] != prompt[:n])
-        common = int(differ[0]) if differ.size else n
+        # The first difference alone: after an early edit every later token differs, and
+        # listing them all costs a buffer the size of the prompt.
+        differs = previous[:n] != prompt[:n]
+        first = int(differs.argmax()) if n else 0
+        common = first if n and differs[first] else n
         session.transitions += 1
         self.stream.transitions += 1
         ending, session.ending = session.ending, None  # this request's output is not known yet
