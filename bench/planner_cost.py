@@ -7,10 +7,11 @@ or one per 16 slots if more) through the real cache (``SemanticPolicy``: the req
 lifecycle a server runs) at 64 and 1,024 checkpoint slots, sessions interleaved, each turn appending an assistant message and a tool
 result and masking the oldest unmasked tool result (an observation-masking agent), so the
 pool fills and stays full. It times with ``time.perf_counter`` ``CheckpointPlanning.plan``
-and the eviction calls (``evict_checkpoints``: victim selection and SGLang's detaching of
-each victim), per request, per eviction and per eviction call (a call values the pool once,
-whatever the number of victims it takes), and beside them the victim selection alone and
-the other scheduler-thread work checkpoints cost: the tree lookups of a request's
+and the eviction calls (``evict_checkpoints``: victim selection and tombstoning each victim),
+per request, per eviction and per eviction call (a call values the pool once, whatever the
+number of victims it takes), and beside them the victim selection (the calls' time but the
+tombstones': ranking the pool, and freeing the call's slots at once) and the other
+scheduler-thread work checkpoints cost: the tree lookups of a request's
 checkpoints (``checkpoints_on_path``) and attaching the captured ones (``_attach_staged``:
 splitting a node at each depth).
 
@@ -49,9 +50,9 @@ PER_REQUEST_TARGET_MS = 1.0
 PER_EVICTION_TARGET_US = 50.0
 
 # Scheduler-thread steps timed: the planning's plan, the eviction calls (victim selection and
-# SGLang's detaching), victim selection alone (one per eviction), the tree lookups of a
-# request's checkpoints, attaching its captured checkpoints.
-STEPS = ("plan", "evict", "select", "lookup", "attach")
+# tombstoning), the tombstones alone (one per eviction), the tree lookups of a request's
+# checkpoints, attaching its captured checkpoints.
+STEPS = ("plan", "evict", "tombstone", "lookup", "attach")
 
 IM_START = QWEN3_SPECIAL_IDS["<|im_start|>"]
 IM_END = QWEN3_SPECIAL_IDS["<|im_end|>"]
@@ -105,7 +106,7 @@ def measure(slots: int, prompt_tokens: int) -> dict[str, float]:
 
     timed(cache.planning, "plan", "plan")
     timed(cache, "evict_checkpoints", "evict")
-    timed(component, "_pick_victim", "select")
+    timed(component, "_tombstone", "tombstone")
     timed(cache, "checkpoints_on_path", "lookup")
     timed(cache, "_attach_staged", "attach")
     # The ~1M objects importing SGLang makes stay out of the cyclic collector's way, as after
@@ -118,7 +119,7 @@ def measure(slots: int, prompt_tokens: int) -> dict[str, float]:
     per_request = {step: [] for step in STEPS}
     evictions = eviction_calls = 0
     for _ in drive(requests, [policy]):
-        evictions += len(spent["select"])
+        evictions += len(spent["tombstone"])
         eviction_calls += len(spent["evict"])
         for step, sink in spent.items():
             per_request[step].append(sum(sink))
@@ -137,7 +138,8 @@ def measure(slots: int, prompt_tokens: int) -> dict[str, float]:
         "per_eviction_us_mean": float(ms["evict"].sum() / evictions * 1e3) if evictions else 0.0,
         # One call values the pool once, however many victims it takes.
         "per_eviction_call_us_mean": float(ms["evict"].sum() / eviction_calls * 1e3) if eviction_calls else 0.0,
-        "selection_us_per_eviction": float(ms["select"].sum() / evictions * 1e3) if evictions else 0.0,
+        "selection_us_per_eviction": float((ms["evict"].sum() - ms["tombstone"].sum()) / evictions * 1e3)
+        if evictions else 0.0,
         **{f"{step}_ms_per_request_mean": float(ms[step].mean()) for step in ("plan", "evict", "lookup", "attach")},
         "gc_collections_by_generation": collections,
     }

@@ -16,8 +16,9 @@ its node's KV. This one keeps ``StateCheckpointPool`` slots and
 
 from __future__ import annotations
 
+import heapq
 from collections import OrderedDict
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Iterator, Optional
 
 import numpy as np
 import torch
@@ -66,9 +67,6 @@ class SemanticMambaComponent(MambaComponent):
         self.slot_held = np.zeros(num_slots, dtype=bool)
         self.slot_recency = np.zeros(num_slots)
         self._recency_clock = 0.0
-        # During one eviction call, the device values by slot read at its first pick, each
-        # raised when a later pick finds it rose (``_pick_victim``); None outside one.
-        self.eviction_values: Optional[np.ndarray] = None
 
     @property
     def checkpoint_pool(self) -> StateCheckpointPool:
@@ -253,25 +251,30 @@ class SemanticMambaComponent(MambaComponent):
         """Tombstone up to ``num`` unlocked checkpoints, keeping their KV matchable; return
         how many went.
 
-        The victim is the least recently restored checkpoint, or, when the cache's planning
-        evicts by value, the one it values least (ties go to the least recent). SGLang's
-        generic walk (``UnifiedRadixCache.evict``) would delete a leaf whole, KV included,
-        when its state is the victim, and its per-step bookkeeping cost more than the
-        tombstoning itself; a tombstone is one node's value, its LRU entry and its slot.
+        The victims come from ``_victims``. SGLang's generic walk (``UnifiedRadixCache.evict``)
+        would delete a leaf whole, KV included, when its state is the victim, and its per-step
+        bookkeeping cost more than the tombstoning itself; a tombstone is one node's value,
+        its LRU entry and its slot. The freed slots go back to the pool at once at the end.
         """
-        evicted = 0
+        victims = self._victims()
+        evicted, freed = 0, []
         try:
             while evicted < num:
-                victim, value = self._pick_victim()
+                victim, value = next(victims, (None, None))
                 if victim is None:
                     break
-                self._tombstone(victim, value)
+                device_slot = self._tombstone(victim, value)
+                if device_slot is not None:
+                    freed.append(device_slot)
                 evicted += 1
         finally:
-            self.eviction_values = None
+            if freed:
+                self.checkpoint_pool.free(torch.cat(freed))
         return evicted
 
-    def _tombstone(self, victim: "UnifiedTreeNode", value: Optional[float]) -> None:
+    def _tombstone(self, victim: "UnifiedTreeNode", value: Optional[float]) -> Optional[torch.Tensor]:
+        """Take ``victim``'s checkpoint off the tree: demoted to the host tier, or dropped;
+        return the device slot to free (None: the tier hands it back once its copy is done)."""
         device_slot = victim.component_data[MAMBA].value
         # The stock tombstoning (sizes, host LRU), not this class's, which drops a host copy.
         MambaComponent.evict_component(self, victim, {MAMBA: []}, {}, [], target=EvictLayer.DEVICE)
@@ -280,11 +283,11 @@ class SemanticMambaComponent(MambaComponent):
         if lru.in_list(victim):
             lru.remove_node(victim)
         self.tree_core._update_evictable_leaf_sets(victim)
-        if not self._demote(victim, device_slot, value):
-            # A demoted slot goes back once the tier's copy is done, not here.
-            self.checkpoint_pool.free(device_slot)
-            self.cache.stats.evicted += 1
-            self.cache.checkpoint_evicted(CheckpointId.device(device_slot))
+        if self._demote(victim, device_slot, value):
+            return None
+        self.cache.stats.evicted += 1
+        self.cache.checkpoint_evicted(CheckpointId.device(device_slot))
+        return device_slot
 
     def _touched(self, node: "UnifiedTreeNode") -> None:
         """``node``'s checkpoint went to the MRU end of the MAMBA LRU list."""
@@ -294,38 +297,46 @@ class SemanticMambaComponent(MambaComponent):
         self.slot_held[slot] = True
         self.slot_recency[slot] = self._recency_clock
 
-    def _pick_victim(self) -> tuple[Optional["UnifiedTreeNode"], Optional[float]]:
-        """The device victim and its value (None when eviction follows recency): the unlocked
-        checkpoint the planning values least, ties to the least recently restored.
+    def _victims(self) -> Iterator[tuple["UnifiedTreeNode", Optional[float]]]:
+        """The unlocked checkpoints in eviction order, each with its value (None when eviction
+        follows recency), the next one found only once the one before is taken: the one the
+        planning values least, ties to the least recently restored.
 
-        Within one ``SemanticStateCache.evict_checkpoints`` call the first pick reads every
-        value. A victim leaving can only raise the values of the checkpoints left (a
-        shallower one of its session becomes the deepest for its restore points), so the
-        lowest is asked for again: if it rose it goes back among the others, else none can be
-        worth less now and it is the victim. Asking costs a recomputation only when the
-        planning saw a change that can have moved that value."""
+        The values are read once, at the first victim, and ranked. A victim leaving can only
+        raise the values of the checkpoints left (a shallower one of its session becomes the
+        deepest for its restore points), so the lowest ranked is asked for again: if it rose
+        it is ranked anew by its new value, else none can be worth less now and it is the
+        victim. Asking costs a recomputation only when the planning saw a change that can have
+        moved that value."""
         planning = self.cache.eviction_valuation
         if planning is None:
-            return self.tree_core.lru_lists[MAMBA].get_lru_no_lock(), None
-        if self.eviction_values is None:
-            self.eviction_values = planning.device_values(self.slot_held.shape[0])
+            lru = self.tree_core.lru_lists[MAMBA]
+            while (node := lru.get_lru_no_lock()) is not None:
+                yield node, None
+            return
         slots = np.flatnonzero(self.slot_held)
-        values, recency = self.eviction_values[slots], self.slot_recency[slots]
-        while slots.shape[0]:
-            lowest = values.min()
-            tied = np.flatnonzero(values == lowest)
-            pick = tied[np.argmin(recency[tied])]
-            slot = int(slots[pick])
+        values = planning.device_values(self.slot_held.shape[0])[slots]
+        recency = self.slot_recency[slots]
+        order = np.lexsort((recency, values))
+        ranked = (values[order], recency[order], slots[order])
+        next_rank, ranks = 0, order.shape[0]
+        risen: list[tuple[float, float, int]] = []  # a heap of (value, recency, slot)
+        while next_rank < ranks or risen:
+            if next_rank < ranks:
+                candidate = tuple(column.item(next_rank) for column in ranked)
+            if risen and (next_rank == ranks or risen[0] < candidate):
+                value, stamp, slot = heapq.heappop(risen)
+            else:
+                value, stamp, slot = candidate
+                next_rank += 1
             node = self.slot_holders[slot]
             if node.component_data[MAMBA].lock_ref != 0:  # a running request holds it
-                slots, values, recency = (np.delete(array, pick) for array in (slots, values, recency))
                 continue
             now = planning.value(CheckpointId.device(slot), node_depth(node))
-            if now > lowest:
-                self.eviction_values[slot] = values[pick] = now
+            if now > value:
+                heapq.heappush(risen, (now, stamp, slot))
                 continue
-            return node, now
-        return None, None
+            yield node, now
 
     def clear_checkpoints(self) -> None:
         """The cache was reset: no node holds a checkpoint of either tier."""
