@@ -5,9 +5,9 @@ its node's KV. This one keeps ``StateCheckpointPool`` slots and
 
 * refreshes a checkpoint's recency only when a request restores from it, not on probe matches;
 * evicts a checkpoint alone, keeping its KV matchable (a tombstone), choosing the least
-  recently restored one or, when the cache's planning evicts by value, the one worth least
-  (ties to the least recent), from its own slot -> node map and recency stamps, without a
-  walk over the tree or the LRU list;
+  recently restored one (the LRU list's tail) or, when the cache's planning evicts by value,
+  the one worth least (ties to the least recent), ranked from its own slot -> node map and
+  recency stamps without a walk over the tree or the LRU list;
 * with a host tier, demotes a device victim to host memory instead of dropping it, and
   promotes it back in the match that restores from it (or restores straight from the host
   when no device slot can be had). The node keeps no device value meanwhile; its host slot is
