@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from sglang_hybrid.anchors.detector import AnchorDetector, AnchorKind, Role
 from sglang_hybrid.anchors.hints import validate_hints
-from sglang_hybrid.planning.addresses import FROM_END, IN_MESSAGE_FROM_END, AnchorIndex
+from sglang_hybrid.planning.addresses import ANY_ROLE, FROM_END, IN_MESSAGE_FROM_END, AnchorIndex, Prefill
 from sglang_hybrid.planning.edit_model import EditModel
 from sglang_hybrid.planning.anchor_planning import AnchorPlanning
 from sglang_hybrid.planning.planner import CheckpointPlanner
@@ -282,6 +282,41 @@ def test_an_edit_rule_keeps_its_share_through_edits_of_sequences_it_names_no_poi
         model.observe(short, short.length - 1, None)
     assert model.shares[third_from_end] == earned
     assert model.predict(long, limit=6)[masked] >= earned
+
+
+def test_an_edit_is_credited_to_the_addresses_naming_its_point_when_it_was_computed():
+    """A condensing agent keeps its first messages and, once its view is full, replaces the
+    rest by a new summary: each condensation restores from the summary's start, which only the
+    request right after the previous one computed (the later ones restore past it). The n-th
+    message from the end names the summary only when the view is full and names nothing at
+    the re-rendered answers in between, so by its record it would take every condensation's
+    credit; but a checkpoint there must be taken while the view is short, where the n-th
+    anchor from the start names it. Once learned, the summary's start is predicted by the
+    request that can checkpoint it."""
+    head = [message("system", text(1, 40)), message("user", text(2, 20)),
+            message("assistant", text(3, 8)), message("tool", text(4, 30))]
+
+    def view(pairs: int) -> AnchorIndex:
+        history = [*head, message("user", text(5, 25))]
+        for i in range(pairs):
+            history += [message("assistant", text(50 + i, 8)), message("user", text(100 + i, 12))]
+        prompt, _ = request(history, [])
+        return AnchorIndex(DETECTOR.detect(prompt), len(prompt))
+
+    short, middle, full = view(1), view(3), view(6)
+    summary_start = int(short.messages[len(head)])
+    assert int(full.messages[len(head)]) == summary_start
+    message_from_end = (FROM_END, int(AnchorKind.MESSAGE_START), ANY_ROLE, full.messages.size - len(head))
+    assert full.position_of(message_from_end) == summary_start and short.position_of(message_from_end) is None
+    after_condensing = [Prefill(restored=summary_start - 1, length=short.length, index=short)]
+    last_answer = int(middle.messages[-3])  # the last one opens the generation prompt
+    model = EditModel(capacity=32, learning_rate=0.3)
+    for condensation in range(4):
+        # Each summary first differs from the one before a little earlier into its text.
+        model.observe(full, summary_start + 6 - condensation, None, after_condensing)
+        model.observe(middle, last_answer + 3, None)  # a re-rendered answer
+    assert model.shares.get(message_from_end, 0.0) < 0.05, model.shares
+    assert model.predict(short, limit=6).get(summary_start, 0.0) > 0.3
 
 
 def test_window_masking_is_predicted_by_message_count():

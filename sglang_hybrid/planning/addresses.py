@@ -3,7 +3,7 @@ the session's next sequence it gives where "the same" point is now."""
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import numpy as np
 
@@ -30,6 +30,15 @@ ANY_ROLE = -1
 MESSAGES_PER_REQUEST = 2
 
 Address = tuple[int, ...]
+
+
+class Prefill(NamedTuple):
+    """What one request computed: the points after ``restored`` up to ``length`` of the
+    sequence ``index`` describes, each of which it could have checkpointed."""
+
+    restored: int
+    length: int
+    index: "AnchorIndex"
 
 
 class AnchorIndex:
@@ -109,6 +118,13 @@ class AnchorIndex:
             if position is not None:
                 ahead.append((position, 1 + -(-(n - rank) // MESSAGES_PER_REQUEST)))
         return ahead
+
+    def names(self, address: Address, position: int) -> bool:
+        """Whether ``address`` names ``position`` here, or will as the sequence grows
+        (``positions_ahead``)."""
+        if self.position_of(address) == position:
+            return True
+        return any(depth == position for depth, _ in self.positions_ahead(address, self.messages.size + 1))
 
     def position_of(self, address: Address) -> Optional[int]:
         kind = address[0]

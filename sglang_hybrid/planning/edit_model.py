@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
-from sglang_hybrid.planning.addresses import Address, AnchorIndex
+from sglang_hybrid.planning.addresses import Address, AnchorIndex, Prefill
 
 
 class EditModel:
@@ -14,14 +14,16 @@ class EditModel:
     An address's share is its running frequency over the edits of sequences it names a point
     of: a rule that applies only to some sequences (masking, once more observations than the
     window hold) is not worn down by the edits of the others. Among the addresses naming a
-    point, an edit's credit goes to those with the highest share, split among them if they
-    tie: descriptions that have always agreed share it, and once one has been right alone it
-    takes the credit of the points they name together. An address right only when it
-    coincides with the session's rule (the first answer counted from the start, when every
-    edit re-renders the last answer) so keeps no share of its own, which it would predict
-    where the two disagree; several rules mixing in one session -- a masked observation on
-    tool turns, a re-rendered answer on user turns -- each keep the probability of the edits
-    only they name.
+    point (those that named it already in the request that computed it, if any did: one naming
+    it only just before the edit, the n-th message from the end when a condensing agent's view
+    is full, names it too late for a checkpoint there), an edit's credit goes to those with the
+    highest share, split among them if they tie: descriptions that have always agreed share
+    it, and once one has been right alone it takes the credit of the points they name
+    together. An address right only when it coincides with the session's rule (the first
+    answer counted from the start, when every edit re-renders the last answer) so keeps no
+    share of its own, which it would predict where the two disagree; several rules mixing in
+    one session -- a masked observation on tool turns, a re-rendered answer on user turns --
+    each keep the probability of the edits only they name.
     """
 
     def __init__(self, capacity: int, learning_rate: float):
@@ -31,13 +33,21 @@ class EditModel:
         # restore from: the deepest point at or before the edit among all addresses scored.
         self.shares: dict[Address, float] = {}
 
-    def observe(self, index: AnchorIndex, edit_point: int, prior: Optional["EditModel"]) -> None:
+    def observe(self, index: AnchorIndex, edit_point: int, prior: Optional["EditModel"],
+                prefills: Sequence[Prefill] = ()) -> None:
         """Learn from one edit: the request diverged from the sequence ``index`` describes at
-        ``edit_point``."""
+        ``edit_point``. ``prefills``: what the session's latest requests computed, oldest
+        first."""
         reached = {address: index.position_of(address) for address in self.shares}
         usable = [depth for depth in reached.values() if depth is not None and depth <= edit_point]
         best = max(usable, default=None)
         winners = [address for address, depth in reached.items() if best is not None and depth == best]
+        # A checkpoint at the point could only be taken by the latest request that computed
+        # it: of the addresses naming the point, those that named it (or foresaw it) then.
+        computed_by = next((prefill.index for prefill in reversed(prefills)
+                            if best is not None and prefill.restored < best <= prefill.length), None)
+        if computed_by is not None:
+            winners = [address for address in winners if computed_by.names(address, best)] or winners
         top = max((self.shares[address] for address in winners), default=None)
         credited = [address for address in winners if self.shares[address] == top]
         for address, share in self.shares.items():

@@ -51,7 +51,7 @@ import numpy as np
 
 from sglang_hybrid.anchors.detector import AnchorKind, Anchors
 from sglang_hybrid.cache.planning import CheckpointId
-from sglang_hybrid.planning.addresses import AnchorIndex
+from sglang_hybrid.planning.addresses import AnchorIndex, Prefill
 from sglang_hybrid.planning.admission import SharedCandidates, admit, propose
 from sglang_hybrid.planning.edit_model import EditModel
 from sglang_hybrid.planning.following import PrefixProducers, prefix_digests
@@ -139,6 +139,7 @@ class CheckpointPlanner:
         }
         # Until the request finishes, its prompt is what the session's next request follows.
         session.sequence, session.index = ctx.prompt_ids, index
+        session.prefills.append(Prefill(ctx.restored_depth, prompt_len, index))
         session.last_clock = self.clock
         self._held.changed(ctx.session)
 
@@ -202,8 +203,8 @@ class CheckpointPlanner:
             self.stream.edits_after[ending] += 1
             if session.model is None:
                 session.model = EditModel(self._model_capacity, self._learning_rate)
-            session.model.observe(session.index, common, self.global_model)
-            self.global_model.observe(session.index, common, None)
+            session.model.observe(session.index, common, self.global_model, session.prefills)
+            self.global_model.observe(session.index, common, None, session.prefills)
         return common
 
     def _shared_candidates(self, session: str, candidates: list[tuple[int, Purpose]]) -> SharedCandidates:

@@ -3,7 +3,7 @@ records of held checkpoints, sessions, followers and the stream's counters."""
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Optional, Sequence
@@ -13,11 +13,15 @@ import numpy as np
 from sglang_hybrid.anchors.detector import Anchors
 from sglang_hybrid.anchors.hints import ValidatedHint
 from sglang_hybrid.cache.planning import CheckpointId
-from sglang_hybrid.planning.addresses import AnchorIndex
+from sglang_hybrid.planning.addresses import AnchorIndex, Prefill
 from sglang_hybrid.planning.edit_model import EditModel
 
 # How many of a session's own requests the stream-wide statistics (edit rate, edit rule) weigh
 # as, before the session has shown its own.
+# A session's latest requests whose prefills an edit's credit looks back on: the request
+# that computed a point its edits restore from is rarely older (a condensing agent's view
+# fills in a handful of requests).
+PREFILLS_KEPT = 8
 PRIOR_EDITS = 2
 # How many of a session's gaps between requests the stream's mean gap weighs as.
 PRIOR_GAPS = 2
@@ -146,6 +150,8 @@ class Session:
     # Depth -> P(the next request's edit restores from a checkpoint at that depth).
     predictions: dict[int, float] = field(default_factory=dict)
     model: Optional[EditModel] = None
+    # What its latest requests computed (``EditModel.observe``), the newest last.
+    prefills: deque[Prefill] = field(default_factory=lambda: deque(maxlen=PREFILLS_KEPT))
     # Depth -> span of the SHARED_PATH checkpoints of the latest plan, until recorded.
     planned_spans: dict[int, int] = field(default_factory=dict)
     # Depth -> digest of the message ending there, for the latest plan's message starts.
