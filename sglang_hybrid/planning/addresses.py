@@ -119,12 +119,16 @@ class AnchorIndex:
                 ahead.append((position, 1 + -(-(n - rank) // MESSAGES_PER_REQUEST)))
         return ahead
 
+    def points_named(self, address: Address, limit: int) -> list[tuple[int, int]]:
+        """The point ``address`` names here (1 request away: the next request's edit) and
+        those it will name as the sequence grows (``positions_ahead``), with the requests
+        until it does."""
+        position = self.position_of(address)
+        return ([] if position is None else [(position, 1)]) + self.positions_ahead(address, limit)
+
     def names(self, address: Address, position: int) -> bool:
-        """Whether ``address`` names ``position`` here, or will as the sequence grows
-        (``positions_ahead``)."""
-        if self.position_of(address) == position:
-            return True
-        return any(depth == position for depth, _ in self.positions_ahead(address, self.messages.size + 1))
+        """Whether ``address`` names ``position`` here, or will as the sequence grows."""
+        return any(depth == position for depth, _ in self.points_named(address, self.messages.size + 1))
 
     def position_of(self, address: Address) -> Optional[int]:
         kind = address[0]

@@ -44,8 +44,8 @@ class EditModel:
         winners = [address for address, depth in reached.items() if best is not None and depth == best]
         # A checkpoint at the point could only be taken by the latest request that computed
         # it: of the addresses naming the point, those that named it (or foresaw it) then.
-        computed_by = next((prefill.index for prefill in reversed(prefills)
-                            if best is not None and prefill.restored < best <= prefill.length), None)
+        computed_by = None if best is None else next(
+            (prefill.index for prefill in reversed(prefills) if prefill.restored < best <= prefill.length), None)
         if computed_by is not None:
             winners = [address for address in winners if computed_by.names(address, best)] or winners
         top = max((self.shares[address] for address in winners), default=None)
@@ -93,9 +93,7 @@ class EditModel:
             for address, share in shares.items():
                 if share <= 0.0:
                     continue
-                depth = index.position_of(address)
-                points = [] if depth is None else [(depth, 1)]
-                for depth, requests in points + index.positions_ahead(address, limit):
+                for depth, requests in index.points_named(address, limit):
                     if depth > 0:
                         predictions[depth] = predictions.get(depth, 0.0) + weight * share / requests
         ranked = sorted(predictions.items(), key=lambda item: (-item[1], item[0]))[:limit]

@@ -18,11 +18,11 @@ from sglang_hybrid.planning.edit_model import EditModel
 
 # How many of a session's own requests the stream-wide statistics (edit rate, edit rule) weigh
 # as, before the session has shown its own.
+PRIOR_EDITS = 2
 # A session's latest requests whose prefills an edit's credit looks back on: the request
 # that computed a point its edits restore from is rarely older (a condensing agent's view
 # fills in a handful of requests).
 PREFILLS_KEPT = 8
-PRIOR_EDITS = 2
 # How many of a session's gaps between requests the stream's mean gap weighs as.
 PRIOR_GAPS = 2
 # What taking a checkpoint costs, in prefill tokens: copying the recurrent state takes as long
