@@ -26,7 +26,8 @@ from sglang_hybrid.planning.planner import CheckpointPlanner
 from sglang_hybrid.planning import planner as planner_module
 from sglang_hybrid.planning.state import FORGET_AFTER_GAPS, SHARED_PURPOSES, Purpose, RequestContext
 from sglang_hybrid.planning.valuation import (
-    alive, append_probability, checkpoint_value, followed_value, mean_gap, next_gap, pool_share, stream_mean_gap,
+    alive, append_probability, checkpoint_value, followed_value, mean_gap, next_gap, patience, pool_share,
+    stream_mean_gap,
 )
 from sglang_hybrid.anchors.special_tokens import QWEN3_NEWLINE_ID, QWEN3_ROLE_IDS, QWEN3_SPECIAL_IDS
 from sglang_hybrid.cache.planning import CheckpointId, RequestToPlan
@@ -477,11 +478,43 @@ def test_an_append_that_comes_sooner_is_worth_more_per_request():
             saved = depth - (len(prompt) - 1)  # over the prompt tail, the next shallower one
             unscaled = append_probability(session, planner.stream) * saved
             scaled.setdefault(ending, []).append(planner.value(end, depth) / unscaled)
-            assert alive(session, mean_gap(session, planner.stream), planner.clock) == 1.0
+            assert alive(session, patience(mean_gap(session, planner.stream), next_gap(session, planner.stream)),
+                         planner.clock) == 1.0
     mean = mean_gap(planner.sessions["agent"], planner.stream)
     assert max(gaps["tool call"]) < mean < min(gaps["answer"]), (gaps, mean)
     assert min(scaled["tool call"]) > 1.5, scaled
     assert max(scaled["answer"]) < 0.9, scaled
+
+
+def test_a_session_silent_long_after_a_tool_call_looks_ended_before_one_waiting_on_its_user():
+    """A tool's result comes back within a few requests; a user's next turn later than the
+    session's mean gap. Silent for three times the gap that follows its tool calls, and less
+    than twice its mean gap, the session looks ended after a tool call: its own checkpoints
+    lose value. After an answer the same silence leaves it alive, since the bound stays twice
+    its mean gap, and only a silence beyond that makes it look ended."""
+    planner = CheckpointPlanner()
+    silences = {}
+    for turn, _prompt, ending in agent_among_other_sessions(PrefixStore(planner)):
+        if turn < 9:
+            continue
+        session, stream = planner.sessions["agent"], planner.stream
+        gap, expected = mean_gap(session, stream), next_gap(session, stream)
+        limit = patience(gap, expected)
+        end = latest_continuation(planner, "agent")
+        value_now = checkpoint_value(planner.records[end], end, planner.sessions, stream)
+        if ending == "tool call":
+            silence = silences["tool call"] = 3 * expected
+            assert silence < 2 * gap and limit == 2 * expected, (silence, gap, expected)
+            assert alive(session, limit, planner.clock + silence) < 0.5
+            stream.clock += silence
+            assert checkpoint_value(planner.records[end], end, planner.sessions, stream) < 0.5 * value_now
+            stream.clock -= silence
+        else:
+            assert expected > gap and limit == 2 * gap, (gap, expected)
+            assert alive(session, limit, planner.clock + silences["tool call"]) == 1.0
+            assert alive(session, limit, planner.clock + 2 * expected) < 1.0
+            silences["answer"] = 2 * expected
+    assert set(silences) == {"tool call", "answer"}
 
 
 def test_the_pool_share_weighs_a_predicted_edit_by_how_soon_and_how_long():

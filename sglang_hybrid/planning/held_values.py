@@ -27,8 +27,8 @@ import numpy as np
 from sglang_hybrid.cache.planning import CheckpointId, Tier
 from sglang_hybrid.planning.state import PRIOR_GAPS, SHARED_PURPOSES, Purpose, Record, Session, StreamStats
 from sglang_hybrid.planning.valuation import (
-    edit_rate, edit_weight, followed_value, restore_horizon, restore_shares, scarcity, shared_prior, shared_value,
-    stream_mean_gap, toward, within_horizon,
+    edit_rate, edit_weight, followed_value, patience, restore_horizon, restore_shares, scarcity, shared_prior,
+    shared_value, stream_mean_gap, toward, within_horizon,
 )
 
 # The table's columns. Flags are 0.0 / 1.0.
@@ -239,10 +239,10 @@ class HeldValues:
         appends = 1.0 - np.where(
             known, edit_rate(stats[:, EDITS_AFTER], stats[:, TRANSITIONS_AFTER], stream_edits, stream_transitions), edit)
         idle = self._clock - stats[:, LAST_CLOCK]
-        horizon = 2.0 * gap
+        silence = patience(gap, next_gap)
         with np.errstate(divide="ignore", invalid="ignore"):
             self._alive[sessions] = np.where(
-                stats[:, ENDED] > 0.0, 0.0, np.where(idle <= horizon, 1.0, (horizon / idle) ** 2))
+                stats[:, ENDED] > 0.0, 0.0, np.where(idle <= silence, 1.0, (silence / idle) ** 2))
         self._gap[sessions] = gap
         self._appends[sessions] = appends * gap / next_gap
         self._edit_weight[sessions] = edit_weight(gap, next_gap, scarcity(stream))

@@ -65,7 +65,7 @@ def own_value(session: Session, record: Record, checkpoint: Optional[CheckpointI
     # Without it, a request restoring here falls back to the session's next shallower
     # checkpoint: it saves only the tokens in between.
     saved = depth - max(session.base_depth, shares.below(depth))
-    return probability * alive(session, gap, stream.clock) * max(saved, 1)
+    return probability * alive(session, patience(gap, wait), stream.clock) * max(saved, 1)
 
 
 def shared_prior(purpose: Purpose, stream: StreamStats) -> float:
@@ -97,7 +97,8 @@ def followed_value(session: Session, record: Record, sessions: Mapping[str, Sess
         if record.created > follow.lead_clock and record.message == follow.message:
             follower = sessions[name]
             parted = (stream.follow_parted[follow.whole] + 1) / (stream.follow_seen[follow.whole] + 2)
-            probability += parted * alive(follower, mean_gap(follower, stream), stream.clock)
+            follower_patience = patience(mean_gap(follower, stream), next_gap(follower, stream))
+            probability += parted * alive(follower, follower_patience, stream.clock)
     return min(probability, 1.0) * max(record.depth - session.base_depth, 1)
 
 
@@ -230,12 +231,22 @@ def toward(total, count, prior, weight):
     return (total + weight * prior) / (count + weight)
 
 
-def alive(session: Session, gap: float, clock: int) -> float:
+def alive(session: Session, limit: float, clock: int) -> float:
     """P(the session sends another request): none once its client said it ended, else from
-    how long it has been silent: sure within twice its usual gap, then falling off as a
-    session that ended would."""
+    how long it has been silent: sure within ``limit`` requests (``patience``), then falling
+    off as a session that ended would."""
     if session.ended:
         return 0.0
     idle = clock - session.last_clock
-    horizon = 2.0 * gap
-    return 1.0 if idle <= horizon else (horizon / idle) ** 2
+    return 1.0 if idle <= limit else (limit / idle) ** 2
+
+
+def patience(gap, next_gap):
+    """The requests of any session a session may stay silent before it looks ended: twice
+    the sooner of its mean ``gap`` and its ``next_gap``, the gap expected after its latest
+    output's ending. A tool's result is sent back within a few requests, so a session silent
+    much longer after a tool call has stopped (a quarter of the tuning traces' sessions end
+    right after one). After an answer a user may take longer than the mean gap, but about
+    one answer in eight ends its session, and waiting longer for them holds the slots of
+    those that ended. Scalars or arrays alike."""
+    return 2.0 * np.minimum(gap, next_gap)
