@@ -11,7 +11,9 @@ and the eviction calls (``evict_checkpoints``: victim selection and tombstoning 
 per request, per eviction and per eviction call (a call values the pool once, whatever the
 number of victims it takes), and beside them the victim selection (the calls' time but the
 tombstones': ranking the pool, and freeing the call's slots at once) and the other
-scheduler-thread work checkpoints cost: the tree lookups of a request's
+scheduler-thread work checkpoints cost: the planning's bookkeeping when a request finishes
+(``CheckpointPlanning.finished``: the anchors of its prompt and output, what the planner
+learns from them, recording the generation-end checkpoint), the tree lookups of a request's
 checkpoints (``checkpoints_on_path``) and attaching the captured ones (``_attach_staged``:
 splitting a node at each depth).
 
@@ -50,9 +52,10 @@ PER_REQUEST_TARGET_MS = 1.0
 PER_EVICTION_TARGET_US = 50.0
 
 # Scheduler-thread steps timed: the planning's plan, the eviction calls (victim selection and
-# tombstoning), the tombstones alone (one per eviction), the tree lookups of a request's
-# checkpoints, attaching its captured checkpoints.
-STEPS = ("plan", "evict", "tombstone", "lookup", "attach")
+# tombstoning), the tombstones alone (one per eviction), the planning's bookkeeping when a
+# request finishes, the tree lookups of a request's checkpoints, attaching its captured
+# checkpoints.
+STEPS = ("plan", "evict", "tombstone", "finish", "lookup", "attach")
 
 IM_START = QWEN3_SPECIAL_IDS["<|im_start|>"]
 IM_END = QWEN3_SPECIAL_IDS["<|im_end|>"]
@@ -107,6 +110,7 @@ def measure(slots: int, prompt_tokens: int) -> dict[str, float]:
     timed(cache.planning, "plan", "plan")
     timed(cache, "evict_checkpoints", "evict")
     timed(component, "_tombstone", "tombstone")
+    timed(cache.planning, "finished", "finish")
     timed(cache, "checkpoints_on_path", "lookup")
     timed(cache, "_attach_staged", "attach")
     # The ~1M objects importing SGLang makes stay out of the cyclic collector's way, as after
@@ -140,7 +144,7 @@ def measure(slots: int, prompt_tokens: int) -> dict[str, float]:
         "per_eviction_call_us_mean": float(ms["evict"].sum() / eviction_calls * 1e3) if eviction_calls else 0.0,
         "selection_us_per_eviction": float((ms["evict"].sum() - ms["tombstone"].sum()) / evictions * 1e3)
         if evictions else 0.0,
-        **{f"{step}_ms_per_request_mean": float(ms[step].mean()) for step in ("plan", "evict", "lookup", "attach")},
+        **{f"{step}_ms_per_request_mean": float(ms[step].mean()) for step in ("plan", "evict", "finish", "lookup", "attach")},
         "gc_collections_by_generation": collections,
     }
 
@@ -153,7 +157,8 @@ def main() -> None:
     args = parser.parse_args()
     rows = []
     print(f"{'slots':>6s}{'prompt':>9s}{'reqs':>6s}{'evictions':>10s}{'calls':>7s}{'plan+evict ms/req':>19s}{'p99':>9s}"
-          f"{'us/evict':>10s}{'us/call':>9s}{'select us':>11s}{'lookup ms/req':>15s}{'attach ms/req':>15s}")
+          f"{'us/evict':>10s}{'us/call':>9s}{'select us':>11s}{'finish ms/req':>15s}{'lookup ms/req':>15s}"
+          f"{'attach ms/req':>15s}")
     for slots in args.slots:
         for tokens in args.prompt_tokens:
             row = measure(slots, tokens)
@@ -161,7 +166,7 @@ def main() -> None:
             print(f"{slots:>6d}{tokens:>9d}{row['requests']:>6d}{row['evictions']:>10d}{row['eviction_calls']:>7d}"
                   f"{row['per_request_ms_mean']:>19.3f}{row['per_request_ms_p99']:>9.3f}"
                   f"{row['per_eviction_us_mean']:>10.1f}{row['per_eviction_call_us_mean']:>9.1f}"
-                  f"{row['selection_us_per_eviction']:>11.1f}"
+                  f"{row['selection_us_per_eviction']:>11.1f}{row['finish_ms_per_request_mean']:>15.2f}"
                   f"{row['lookup_ms_per_request_mean']:>15.2f}{row['attach_ms_per_request_mean']:>15.2f}", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     worst_request = max(r["per_request_ms_mean"] for r in rows)
