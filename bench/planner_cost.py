@@ -144,7 +144,8 @@ def measure(slots: int, prompt_tokens: int) -> dict[str, float]:
         "per_eviction_call_us_mean": float(ms["evict"].sum() / eviction_calls * 1e3) if eviction_calls else 0.0,
         "selection_us_per_eviction": float((ms["evict"].sum() - ms["tombstone"].sum()) / evictions * 1e3)
         if evictions else 0.0,
-        **{f"{step}_ms_per_request_mean": float(ms[step].mean()) for step in ("plan", "evict", "finish", "lookup", "attach")},
+        **{f"{step}_ms_per_request_mean": float(ms[step].mean())
+           for step in ("plan", "evict", "finish", "lookup", "attach")},
         "gc_collections_by_generation": collections,
     }
 
