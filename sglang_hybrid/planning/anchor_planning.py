@@ -25,7 +25,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from sglang_hybrid.anchors.detector import AnchorDetector, AnchorKind
+from sglang_hybrid.anchors.detector import AnchorDetector, AnchorKind, Anchors
 from sglang_hybrid.anchors.hints import HintMode
 from sglang_hybrid.planning.planner import CheckpointPlanner
 from sglang_hybrid.planning.state import Purpose, RequestContext
@@ -47,9 +47,11 @@ class AnchorPlanning:
         self.mode = mode
         self.planner = planner
         self.evicts_by_value = planner is not None and evict_by_value
-        # rid -> session, and depth -> purpose of what was planned for it, until it leaves.
+        # rid -> session, depth -> purpose of what was planned for it, and (adaptive) its
+        # prompt's anchors, until it leaves.
         self._sessions: dict[str, str] = {}
         self._purposes: dict[str, dict[int, Purpose]] = {}
+        self._prompt_anchors: dict[str, Anchors] = {}
 
     def plan(self, request: RequestToPlan) -> list[int]:
         session = request.session or self._session_of(request.restored) or request.rid
@@ -64,10 +66,11 @@ class AnchorPlanning:
         prompt_len = int(request.prompt.shape[0])
         if self.planner is not None:
             # The adaptive planner weighs a client's hint together with its own candidates.
+            anchors = self._prompt_anchors[request.rid] = self.detector.detect(request.prompt)
             plan = self.planner.plan(RequestContext(
                 session=session,
                 prompt_ids=request.prompt,
-                anchors=self.detector.detect(request.prompt),
+                anchors=anchors,
                 tree_lcp=request.tree_lcp,
                 held_depths=request.held_depths,
                 restored_depth=request.restored_depth,
@@ -129,7 +132,11 @@ class AnchorPlanning:
         # A session forgotten while its request ran learns nothing from it (``staged``).
         if session is not None and session in self.planner.sessions:
             output = cached[prompt_len:]
-            anchors = self.detector.detect(cached[:prompt_len], output)
+            planned = self._prompt_anchors.get(rid)
+            if planned is not None and cached.shape[0] >= prompt_len:
+                anchors = self.detector.detect_continuation(planned, cached[:prompt_len], output)
+            else:
+                anchors = self.detector.detect(cached[:prompt_len], output)
             self.planner.request_finished(session, cached, anchors, self.detector.output_ending(output))
             if end is not None:
                 self.planner.record_checkpoint(end, session, len(cached), Purpose.CONTINUATION)
@@ -142,6 +149,7 @@ class AnchorPlanning:
     def released(self, rid: str) -> None:
         self._sessions.pop(rid, None)
         self._purposes.pop(rid, None)
+        self._prompt_anchors.pop(rid, None)
 
 
 def _spaced(wanted: list[tuple[int, Purpose, float]]) -> list[tuple[int, Purpose, float]]:
