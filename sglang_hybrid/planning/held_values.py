@@ -239,10 +239,10 @@ class HeldValues:
         appends = 1.0 - np.where(
             known, edit_rate(stats[:, EDITS_AFTER], stats[:, TRANSITIONS_AFTER], stream_edits, stream_transitions), edit)
         idle = self._clock - stats[:, LAST_CLOCK]
-        silence = patience(gap, next_gap)
+        limit = patience(gap, next_gap)
         with np.errstate(divide="ignore", invalid="ignore"):
             self._alive[sessions] = np.where(
-                stats[:, ENDED] > 0.0, 0.0, np.where(idle <= silence, 1.0, (silence / idle) ** 2))
+                stats[:, ENDED] > 0.0, 0.0, np.where(idle <= limit, 1.0, (limit / idle) ** 2))
         self._gap[sessions] = gap
         self._appends[sessions] = appends * gap / next_gap
         self._edit_weight[sessions] = edit_weight(gap, next_gap, scarcity(stream))
