@@ -2,6 +2,7 @@
 the polynomial they are defined as."""
 
 import numpy as np
+import pytest
 
 from sglang_hybrid.planning.following import MULTIPLIER, prefix_digests
 
@@ -12,9 +13,10 @@ def polynomial(tokens) -> int:
     return sum((int(token) + 1) * pow(MULTIPLIER, i, MODULUS) for i, token in enumerate(tokens)) % MODULUS
 
 
-def test_digests_are_the_polynomial_of_each_prefix_and_message():
+@pytest.mark.parametrize("dtype", [np.int32, np.int64])
+def test_digests_are_the_polynomial_of_each_prefix_and_message(dtype):
     rng = np.random.default_rng(7)
-    messages = [rng.integers(0, 151_000, n).astype(np.int32) for n in (40, 1, 25, 60)]
+    messages = [rng.integers(0, 151_000, n).astype(dtype) for n in (40, 1, 25, 60)]
     prompt = np.concatenate(messages)
     ends = np.cumsum([len(m) for m in messages]).tolist()
     digests, by_end = prefix_digests(prompt, ends)
