@@ -27,7 +27,7 @@ from sglang_hybrid.planning import planner as planner_module
 from sglang_hybrid.planning.state import FORGET_AFTER_GAPS, SHARED_PURPOSES, Purpose, RequestContext
 from sglang_hybrid.planning.valuation import (
     alive, append_probability, checkpoint_value, followed_value, mean_gap, next_gap, patience, pool_share,
-    stream_mean_gap,
+    return_probability, stream_mean_gap,
 )
 from sglang_hybrid.anchors.special_tokens import QWEN3_NEWLINE_ID, QWEN3_ROLE_IDS, QWEN3_SPECIAL_IDS
 from sglang_hybrid.cache.planning import CheckpointId, RequestToPlan
@@ -117,7 +117,8 @@ class PrefixStore:
         sequence = np.concatenate([prompt, kept])
         for checkpoint in plan.checkpoints:
             self._take(session, sequence, checkpoint.depth, checkpoint.purpose)
-        self.planner.request_finished(session, sequence, DETECTOR.detect(prompt, kept), DETECTOR.output_ending(kept))
+        self.planner.request_finished(session, sequence, DETECTOR.detect(prompt, kept), DETECTOR.output_ending(kept),
+                                      int(kept[-1]) if len(kept) else None)
         self._take(session, sequence, len(sequence), Purpose.CONTINUATION)
         self.sequences.append(sequence)
         return plan, restored
@@ -479,11 +480,20 @@ def test_an_append_that_comes_sooner_is_worth_more_per_request():
             unscaled = append_probability(session, planner.stream) * saved
             scaled.setdefault(ending, []).append(planner.value(end, depth) / unscaled)
             assert alive(session, patience(mean_gap(session, planner.stream), next_gap(session, planner.stream)),
-                         planner.clock) == 1.0
+                         planner.stream) == return_probability(session, planner.stream) > 0.9
     mean = mean_gap(planner.sessions["agent"], planner.stream)
     assert max(gaps["tool call"]) < mean < min(gaps["answer"]), (gaps, mean)
     assert min(scaled["tool call"]) > 1.5, scaled
     assert max(scaled["answer"]) < 0.9, scaled
+
+
+def alive_after(silence, session, limit, stream):
+    """``alive`` once the session has been silent ``silence`` requests more."""
+    stream.clock += silence
+    try:
+        return alive(session, limit, stream)
+    finally:
+        stream.clock -= silence
 
 
 def test_a_session_silent_long_after_a_tool_call_looks_ended_before_one_waiting_on_its_user():
@@ -505,16 +515,56 @@ def test_a_session_silent_long_after_a_tool_call_looks_ended_before_one_waiting_
         if ending == "tool call":
             silence = silences["tool call"] = 3 * expected
             assert silence < 2 * gap and limit == 2 * expected, (silence, gap, expected)
-            assert alive(session, limit, planner.clock + silence) < 0.5
+            assert alive_after(silence, session, limit, stream) < 0.5
             stream.clock += silence
             assert checkpoint_value(planner.records[end], end, planner.sessions, stream) < 0.5 * value_now
             stream.clock -= silence
         else:
             assert expected > gap and limit == 2 * gap, (gap, expected)
-            assert alive(session, limit, planner.clock + silences["tool call"]) == 1.0
-            assert alive(session, limit, planner.clock + 2 * expected) < 1.0
+            assert alive_after(silences["tool call"], session, limit, stream) == return_probability(session, stream)
+            assert alive_after(2 * expected, session, limit, stream) < return_probability(session, stream)
             silences["answer"] = 2 * expected
     assert set(silences) == {"tool call", "answer"}
+
+
+def test_a_session_whose_output_closed_as_those_ending_sessions_did_looks_less_likely_to_come_back():
+    """Sessions end after their closing words ("Have a great day!"), whose last token their
+    other answers rarely end with. The stream counts a session silent for ENDED_AFTER_GAPS of
+    its mean gaps as ended after its latest output's last token, and counts it out if it comes
+    back: a session whose output closed like those is less likely to come back than one whose
+    output closed like those that went on, and its generation-end checkpoint is worth less."""
+    planner = CheckpointPlanner()
+    store = PrefixStore(planner)
+    asks, closes = text(1, 1)[0], text(2, 1)[0]  # the last tokens of a question and of a farewell
+    turns = 4  # each session asks three times, says farewell and goes silent
+    history: dict[str, list[list[int]]] = {}
+
+    def serve(name: str, step: int, closing: int) -> None:
+        history.setdefault(name, [message("user", text(10_000 + step, 12))])
+        prompt, output = request(history[name], [*text(20_000 + step, 10), closing])
+        store.serve(name, prompt, output)
+        history[name] += [message("assistant", list(output[:-1])), message("user", text(30_000 + step, 6))]
+
+    for step in range(64):
+        # Four sessions at a time, one request each in turn; four new ones as they leave.
+        serve(f"s{step % 4 + 4 * (step // (4 * turns))}", step, closes if step // 4 % turns == turns - 1 else asks)
+    serve("asking", 64, asks)
+    serve("leaving", 65, closes)
+    stream = planner.stream
+    assert stream.ends_after[closes] >= 8 and stream.ends_after[asks] == 0, (stream.ends_after, stream.returns_after)
+    asking, leaving = planner.sessions["asking"], planner.sessions["leaving"]
+    assert return_probability(leaving, stream) < 0.2 < 0.9 < return_probability(asking, stream)
+    values = {}
+    for name in ("asking", "leaving"):
+        end = latest_continuation(planner, name)
+        values[name] = planner.value(end, planner.records[end].depth)
+    assert values["leaving"] < 0.2 * values["asking"], values
+
+    # A session counted as ended that comes back is counted out.
+    ended = stream.ends_after[closes]
+    assert planner.sessions["s0"].presumed_ended
+    serve("s0", 66, asks)
+    assert stream.ends_after[closes] == ended - 1 and not planner.sessions["s0"].presumed_ended
 
 
 def test_the_pool_share_weighs_a_predicted_edit_by_how_soon_and_how_long():

@@ -137,7 +137,8 @@ class AnchorPlanning:
                 anchors = self.detector.detect_continuation(planned, cached[:prompt_len], output)
             else:
                 anchors = self.detector.detect(cached[:prompt_len], output)
-            self.planner.request_finished(session, cached, anchors, self.detector.output_ending(output))
+            closing = int(output[-1]) if output.shape[0] else None
+            self.planner.request_finished(session, cached, anchors, self.detector.output_ending(output), closing)
             if end is not None:
                 self.planner.record_checkpoint(end, session, len(cached), Purpose.CONTINUATION)
         self.planner.forget(free)

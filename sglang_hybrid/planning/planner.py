@@ -45,7 +45,8 @@ so tensor-parallel ranks running their own planner agree.
 
 from __future__ import annotations
 
-from typing import Iterable
+import heapq
+from typing import Iterable, Optional
 
 import numpy as np
 
@@ -57,7 +58,7 @@ from sglang_hybrid.planning.edit_model import EditModel
 from sglang_hybrid.planning.following import PrefixProducers, prefix_digests
 from sglang_hybrid.planning.held_values import HeldValues
 from sglang_hybrid.planning.state import (
-    FORGET_AFTER_GAPS, FORGET_SWEEP_REQUESTS, PRIOR_EDITS, SHARED_PURPOSES, CheckpointPlan, Purpose, Record,
+    ENDED_AFTER_GAPS, FORGET_AFTER_GAPS, FORGET_SWEEP_REQUESTS, PRIOR_EDITS, SHARED_PURPOSES, CheckpointPlan, Purpose, Record,
     RequestContext, Session, StreamStats,
 )
 from sglang_hybrid.planning.valuation import (
@@ -95,6 +96,9 @@ class CheckpointPlanner:
         self._producers = PrefixProducers()
         # Every held checkpoint's value, for admission against a full pool and for eviction.
         self._held = HeldValues(self.records, self.sessions, self.stream)
+        # (clock past which a session counts as ended, the clock of its latest request, its
+        # name), a heap: one entry per finished request, stale once the session sends another.
+        self._silences: list[tuple[float, int, str]] = []
 
     @property
     def clock(self) -> int:
@@ -108,6 +112,7 @@ class CheckpointPlanner:
         self.stream.pool_slots = ctx.pool_slots
         if self.clock % FORGET_SWEEP_REQUESTS == 0:
             self._forget_idle_sessions(sending=ctx.session)
+        self._presume_ended()
         prompt_len = int(ctx.prompt_ids.shape[0])
         session = self.sessions.get(ctx.session)
         own_prefix = 0
@@ -186,6 +191,13 @@ class CheckpointPlanner:
         session.transitions += 1
         self.stream.transitions += 1
         ending, session.ending = session.ending, None  # this request's output is not known yet
+        closing, session.closing = session.closing, None
+        if closing is not None:
+            self.stream.returns_after[closing] += 1
+            if session.presumed_ended:
+                session.presumed_ended = False
+                self.stream.ends_after[closing] -= 1
+                self.stream.ends -= 1
         session.transitions_after[ending] += 1
         self.stream.transitions_after[ending] += 1
         session.on_path = {checkpoint: depth for checkpoint, depth in session.on_path.items() if depth <= common}
@@ -226,16 +238,22 @@ class CheckpointPlanner:
 
     # ---- bookkeeping after a request ----
 
-    def request_finished(self, session: str, sequence: np.ndarray, anchors: Anchors, ending: int) -> None:
+    def request_finished(self, session: str, sequence: np.ndarray, anchors: Anchors, ending: int,
+                         closing: Optional[int]) -> None:
         """``session``'s request left ``sequence`` in the tree (prompt + the output its state
         covers; ``anchors`` detected on it; its output ended with ``ending``,
-        ``AnchorDetector.output_ending``): the session's next request is compared with it,
-        and expected to append as often as requests after such an output did."""
+        ``AnchorDetector.output_ending``, its last token was ``closing``, None if it had
+        none): the session's next request is compared with it, expected to append as often
+        as requests after such an output did, and to come at all as often as sessions did
+        after an output closing alike."""
         owner = self.sessions.get(session)
         if owner is None:
             raise KeyError(f"session {session!r} was never planned")
         owner.sequence, owner.index = sequence, AnchorIndex(anchors, int(sequence.shape[0]))
-        owner.ending = ending
+        owner.ending, owner.closing = ending, closing
+        if closing is not None:
+            deadline = owner.last_clock + ENDED_AFTER_GAPS * mean_gap(owner, self.stream)
+            heapq.heappush(self._silences, (deadline, owner.last_clock, session))
         self._held.changed(session)
 
     def end_session(self, session: str) -> None:
@@ -247,10 +265,26 @@ class CheckpointPlanner:
         if owner is None or owner.ended:
             return
         owner.ended = True
+        # Counted ended at the next request, with the silent ones: the stream's counters move
+        # only with the clock, when the held values read them again.
+        heapq.heappush(self._silences, (float(self.clock), owner.last_clock, session))
         self._held.changed(session)
         if owner.following is not None:
             # Its leader's shared-path checkpoints were worth what it would restore from them.
             self._held.changed(owner.following.leader)
+
+    def _presume_ended(self) -> None:
+        """Count in the stream's end rates the sessions silent past their deadline since
+        their latest output (``ENDED_AFTER_GAPS``), or closed by their client."""
+        while self._silences and self._silences[0][0] < self.clock:
+            _, last_clock, name = heapq.heappop(self._silences)
+            session = self.sessions.get(name)
+            if (session is None or session.last_clock != last_clock or session.presumed_ended
+                    or session.closing is None):
+                continue  # forgotten, back since, or counted already
+            session.presumed_ended = True
+            self.stream.ends_after[session.closing] += 1
+            self.stream.ends += 1
 
     def _forget_idle_sessions(self, sending: str) -> None:
         """Forget the sessions that hold no checkpoint and ended or fell silent

@@ -38,6 +38,11 @@ MAX_REMEMBERED_PREFIXES = 1 << 16
 # every FORGET_SWEEP_REQUESTS requests; a session that comes back starts from the stream's priors.
 FORGET_AFTER_GAPS = 64
 FORGET_SWEEP_REQUESTS = 256
+# A session ends once and is never seen to: for the stream's end rates, a session silent for
+# ENDED_AFTER_GAPS of its mean gaps counts as ended, until it comes back. The overall rate at
+# which sessions come back weighs as PRIOR_ENDS sessions in the rate after each closing token.
+ENDED_AFTER_GAPS = 4
+PRIOR_ENDS = 2
 
 
 class Purpose(IntEnum):
@@ -139,6 +144,12 @@ class Session:
     # How the latest output ended (``AnchorDetector.output_ending``), once its request
     # finished; None while it runs. Transitions and edits after each ending:
     ending: Optional[int] = None
+    # The latest output's last token (None while its request runs or if it has none): the
+    # stream's rate of sessions ending after it (``StreamStats.ends_after``).
+    closing: Optional[int] = None
+    # Silent for ENDED_AFTER_GAPS of its mean gaps since its latest output (or closed by its
+    # client), it is counted in ``StreamStats.ends_after``; counted out if it comes back.
+    presumed_ended: bool = False
     transitions_after: Counter = field(default_factory=Counter)
     edits_after: Counter = field(default_factory=Counter)
     gap_total: int = 0  # requests of any session between consecutive requests of this one
@@ -174,6 +185,11 @@ class StreamStats:
     edits_after: Counter = field(default_factory=Counter)
     gap_total: int = 0  # requests of any session between consecutive requests of one session
     gaps_after: Counter = field(default_factory=Counter)  # gap_total by the ending before them
+    # Sessions that came back after an output closing with each token, and those presumed
+    # ended after one (``Session.presumed_ended``); ``ends``: all presumed ended.
+    returns_after: Counter = field(default_factory=Counter)
+    ends_after: Counter = field(default_factory=Counter)
+    ends: int = 0
     pool_slots: int = 0  # the device checkpoint pool's size, as the latest request was planned
     # Message starts of new content proposed as SHARED_PATH checkpoints, and the checkpoints
     # taken at them that another session restored from: how often the stream's sessions follow
