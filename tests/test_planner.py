@@ -24,7 +24,9 @@ from sglang_hybrid.planning.edit_model import EditModel
 from sglang_hybrid.planning.anchor_planning import AnchorPlanning
 from sglang_hybrid.planning.planner import CheckpointPlanner
 from sglang_hybrid.planning import planner as planner_module
-from sglang_hybrid.planning.state import FORGET_AFTER_GAPS, SHARED_PURPOSES, Purpose, RequestContext
+from sglang_hybrid.planning.state import (
+    CLOSING_TOKENS, FORGET_AFTER_GAPS, SHARED_PURPOSES, ClosingCounts, Purpose, RequestContext,
+)
 from sglang_hybrid.planning.valuation import (
     alive, append_probability, checkpoint_value, followed_value, mean_gap, next_gap, patience, pool_share,
     return_probability, stream_mean_gap,
@@ -118,7 +120,7 @@ class PrefixStore:
         for checkpoint in plan.checkpoints:
             self._take(session, sequence, checkpoint.depth, checkpoint.purpose)
         self.planner.request_finished(session, sequence, DETECTOR.detect(prompt, kept), DETECTOR.output_ending(kept),
-                                      int(kept[-1]) if len(kept) else None)
+                                      tuple(kept[-CLOSING_TOKENS:].tolist()) or None)
         self._take(session, sequence, len(sequence), Purpose.CONTINUATION)
         self.sequences.append(sequence)
         return plan, restored
@@ -527,31 +529,40 @@ def test_a_session_silent_long_after_a_tool_call_looks_ended_before_one_waiting_
     assert set(silences) == {"tool call", "answer"}
 
 
-def test_a_session_whose_output_closed_as_those_ending_sessions_did_looks_less_likely_to_come_back():
-    """Sessions end after their closing words ("Have a great day!"), whose last token their
-    other answers rarely end with. The stream counts a session silent for ENDED_AFTER_GAPS of
-    its mean gaps as ended after its latest output's last token, and counts it out if it comes
-    back: a session whose output closed like those is less likely to come back than one whose
-    output closed like those that went on, and its generation-end checkpoint is worth less."""
-    planner = CheckpointPlanner()
+def sessions_saying_farewell(planner: CheckpointPlanner, asks: list[int], closes: list[int]):
+    """Four sessions at a time, one request each in turn, four new ones as they leave: each
+    asks three times (its output closing with ``asks``), says farewell (``closes``) and goes
+    silent. Then "asking" asks and "leaving" says farewell. Returns a function serving one
+    more request of a session."""
     store = PrefixStore(planner)
-    asks, closes = text(1, 1)[0], text(2, 1)[0]  # the last tokens of a question and of a farewell
-    turns = 4  # each session asks three times, says farewell and goes silent
     history: dict[str, list[list[int]]] = {}
 
-    def serve(name: str, step: int, closing: int) -> None:
+    def serve(name: str, step: int, closing: list[int]) -> None:
         history.setdefault(name, [message("user", text(10_000 + step, 12))])
-        prompt, output = request(history[name], [*text(20_000 + step, 10), closing])
+        prompt, output = request(history[name], [*text(20_000 + step, 10), *closing])
         store.serve(name, prompt, output)
         history[name] += [message("assistant", list(output[:-1])), message("user", text(30_000 + step, 6))]
 
+    turns = 4
     for step in range(64):
-        # Four sessions at a time, one request each in turn; four new ones as they leave.
         serve(f"s{step % 4 + 4 * (step // (4 * turns))}", step, closes if step // 4 % turns == turns - 1 else asks)
     serve("asking", 64, asks)
     serve("leaving", 65, closes)
+    return serve
+
+
+def test_a_session_whose_output_closed_as_those_ending_sessions_did_looks_less_likely_to_come_back():
+    """Sessions end after their closing words ("Have a great day!"), whose last token their
+    other answers rarely end with. The stream counts a session silent for ENDED_AFTER_GAPS of
+    its mean gaps as ended after its latest output's closing tokens, and counts it out if it
+    comes back: a session whose output closed like those is less likely to come back than
+    one whose output closed like those that went on, and its generation-end checkpoint is
+    worth less."""
+    planner = CheckpointPlanner()
+    asks, closes = text(1, 1)[0], text(2, 1)[0]  # the last tokens of a question and of a farewell
+    serve = sessions_saying_farewell(planner, [asks], [closes])
     stream = planner.stream
-    assert stream.ends_after[closes] >= 8 and stream.ends_after[asks] == 0, (stream.ends_after, stream.returns_after)
+    assert stream.closings.of((closes,))[1] >= 8 and stream.closings.of((asks,))[1] == 0
     asking, leaving = planner.sessions["asking"], planner.sessions["leaving"]
     assert return_probability(leaving, stream) < 0.2 < 0.9 < return_probability(asking, stream)
     values = {}
@@ -561,10 +572,34 @@ def test_a_session_whose_output_closed_as_those_ending_sessions_did_looks_less_l
     assert values["leaving"] < 0.2 * values["asking"], values
 
     # A session counted as ended that comes back is counted out.
-    ended = stream.ends_after[closes]
+    returned, ended = stream.closings.of((closes,))
     assert planner.sessions["s0"].presumed_ended
-    serve("s0", 66, asks)
-    assert stream.ends_after[closes] == ended - 1 and not planner.sessions["s0"].presumed_ended
+    serve("s0", 66, [asks])
+    assert stream.closings.of((closes,)) == (returned + 1, ended - 1) and not planner.sessions["s0"].presumed_ended
+
+
+def test_the_token_before_the_last_tells_closings_that_share_their_last_token_apart():
+    """ "... feel free to ask!" goes on, "... safe travels!" ends: both close with "!", whose
+    rate mixes them; the rate after the last two tokens, drawn toward the last token's,
+    tells them apart."""
+    planner = CheckpointPlanner()
+    bang, ask, travels = text(3, 3)
+    sessions_saying_farewell(planner, [ask, bang], [travels, bang])
+    stream = planner.stream
+    returned, ended = stream.closings.of((bang,))
+    assert returned > 0 and ended > 0 and stream.closings.of((ask, bang))[1] == 0
+    asking, leaving = (return_probability(planner.sessions[name], stream) for name in ("asking", "leaving"))
+    assert leaving < 0.5 * asking, (leaving, asking)
+
+
+def test_closing_counts_forget_the_least_recently_counted_and_never_go_negative():
+    counts = ClosingCounts(capacity=3)
+    counts.count((1, 2), 1, 0)
+    counts.count((3, 2), 0, 1)  # (2,) counted again: (1, 2) is now the least recent
+    counts.count((4,), 1, 0)
+    assert counts.of((1, 2)) == (0, 0) and counts.of((2,)) == (1, 1) and counts.of((3, 2)) == (0, 1)
+    counts.count((5, 6), 1, -1)  # a session counted as ended after a forgotten closing came back
+    assert counts.of((5, 6)) == (1, 0) and counts.ends == 0
 
 
 def test_the_pool_share_weighs_a_predicted_edit_by_how_soon_and_how_long():

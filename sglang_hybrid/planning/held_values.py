@@ -27,8 +27,8 @@ import numpy as np
 from sglang_hybrid.cache.planning import CheckpointId, Tier
 from sglang_hybrid.planning.state import PRIOR_GAPS, SHARED_PURPOSES, Purpose, Record, Session, StreamStats
 from sglang_hybrid.planning.valuation import (
-    edit_rate, edit_weight, followed_value, patience, return_rate, restore_horizon, restore_shares, scarcity, shared_prior,
-    shared_value, stream_mean_gap, toward, within_horizon,
+    closing_return_rate, edit_rate, edit_weight, followed_value, patience, restore_horizon, restore_shares, scarcity,
+    shared_prior, shared_value, stream_mean_gap, toward, within_horizon,
 )
 
 # The table's columns. Flags are 0.0 / 1.0.
@@ -39,10 +39,9 @@ ON_PATH, PREDICTED, SERVES_END, SAVED = range(7, 11)
 COLUMNS = 11
 # A session's counters, copied when it changes (``Session``): gaps, transitions and edits, its
 # latest request's clock, the ending of its latest output (an index into the endings seen, -1:
-# not known yet), the gaps, transitions and edits after that ending, whether it ended, the
-# latest output's last token (-1: not known yet).
-GAP_TOTAL, TRANSITIONS, EDITS, LAST_CLOCK, ENDING, GAPS_AFTER, TRANSITIONS_AFTER, EDITS_AFTER, ENDED, CLOSING = range(10)
-SESSION_STATS = 10
+# not known yet), the gaps, transitions and edits after that ending, whether it ended.
+GAP_TOTAL, TRANSITIONS, EDITS, LAST_CLOCK, ENDING, GAPS_AFTER, TRANSITIONS_AFTER, EDITS_AFTER, ENDED = range(9)
+SESSION_STATS = 9
 # Up to this many rows are valued one by one (``_evaluate_each``): the few a change between
 # clock ticks leaves (a finished request's checkpoints, a victim's session) cost ~2 us each
 # that way, where the ~35 array operations of a bulk evaluation cost ~40 us at any size.
@@ -79,6 +78,7 @@ class HeldValues:
         self._edit = np.zeros(0)
         self._edit_weight = np.zeros(0)
         self._endings: dict[int, int] = {}  # output ending -> index
+        self._closings: list[Optional[tuple[int, ...]]] = []  # by session index, read with its counters
         self._clock: Optional[int] = None
         # Since the values were computed: sessions changed (their counters and own rows are
         # read again and all their rows valued), sessions whose checkpoints alone changed
@@ -239,15 +239,11 @@ class HeldValues:
         next_gap = np.where(known, toward(stats[:, GAPS_AFTER], stats[:, TRANSITIONS_AFTER], gap_prior, PRIOR_GAPS), gap)
         appends = 1.0 - np.where(
             known, edit_rate(stats[:, EDITS_AFTER], stats[:, TRANSITIONS_AFTER], stream_edits, stream_transitions), edit)
-        # The stream's returns and ends after each closing token the sessions show (any token
-        # may close an output: only those are looked up).
-        closing = stats[:, CLOSING].astype(np.int64)
-        closings = np.unique(closing[closing >= 0])
-        counts = np.zeros((2, closings.shape[0] + 1))  # the last column: none known
-        for column, token in enumerate(closings.tolist()):
-            counts[:, column] = (stream.returns_after[token], stream.ends_after[token])
-        returns, ends = counts[:, np.where(closing >= 0, np.searchsorted(closings, closing), -1)]
-        returning = np.where(closing >= 0, return_rate(returns, ends, stream.transitions, stream.ends), 1.0)
+        # The sessions share a handful of closings ("!", "?", a tool call's close): each
+        # one's rate once, by the scalar function.
+        closings = [self._closings[index] for index in sessions.tolist()]
+        rates = {closing: closing_return_rate(closing, stream) for closing in set(closings)}
+        returning = np.array([rates[closing] for closing in closings])
         idle = self._clock - stats[:, LAST_CLOCK]
         limit = patience(gap, next_gap)
         with np.errstate(divide="ignore", invalid="ignore"):
@@ -320,7 +316,8 @@ class HeldValues:
             after = (self._endings.setdefault(ending, len(self._endings)), session.gaps_after[ending],
                      session.transitions_after[ending], session.edits_after[ending])
         self._stats[index] = (session.gap_total, session.transitions, session.edits, session.last_clock, *after,
-                              session.ended, -1 if session.closing is None else session.closing)
+                              session.ended)
+        self._closings[index] = session.closing
 
     def _read_own_rows(self, index: int) -> None:
         """What the session's own checkpoints' depths are worth to its restore points
@@ -350,6 +347,7 @@ class HeldValues:
         else:
             index = len(self._names)
             self._names.append(name)
+            self._closings.append(None)
             if index >= self._gap.shape[0]:
                 size = max(16, 2 * self._gap.shape[0])
                 self._gap, self._appends, self._alive, self._edit, self._edit_weight = (

@@ -58,8 +58,8 @@ from sglang_hybrid.planning.edit_model import EditModel
 from sglang_hybrid.planning.following import PrefixProducers, prefix_digests
 from sglang_hybrid.planning.held_values import HeldValues
 from sglang_hybrid.planning.state import (
-    ENDED_AFTER_GAPS, FORGET_AFTER_GAPS, FORGET_SWEEP_REQUESTS, PRIOR_EDITS, SHARED_PURPOSES, CheckpointPlan, Purpose, Record,
-    RequestContext, Session, StreamStats,
+    ENDED_AFTER_GAPS, FORGET_AFTER_GAPS, FORGET_SWEEP_REQUESTS, PRIOR_EDITS, SHARED_PURPOSES, CheckpointPlan, Purpose,
+    Record, RequestContext, Session, StreamStats,
 )
 from sglang_hybrid.planning.valuation import (
     checkpoint_value, edit_probability, followed_value, mean_gap, shared_prior, shared_value,
@@ -193,11 +193,8 @@ class CheckpointPlanner:
         ending, session.ending = session.ending, None  # this request's output is not known yet
         closing, session.closing = session.closing, None
         if closing is not None:
-            self.stream.returns_after[closing] += 1
-            if session.presumed_ended:
-                session.presumed_ended = False
-                self.stream.ends_after[closing] -= 1
-                self.stream.ends -= 1
+            self.stream.closings.count(closing, 1, -1 if session.presumed_ended else 0)
+            session.presumed_ended = False
         session.transitions_after[ending] += 1
         self.stream.transitions_after[ending] += 1
         session.on_path = {checkpoint: depth for checkpoint, depth in session.on_path.items() if depth <= common}
@@ -239,13 +236,13 @@ class CheckpointPlanner:
     # ---- bookkeeping after a request ----
 
     def request_finished(self, session: str, sequence: np.ndarray, anchors: Anchors, ending: int,
-                         closing: Optional[int]) -> None:
+                         closing: Optional[tuple[int, ...]]) -> None:
         """``session``'s request left ``sequence`` in the tree (prompt + the output its state
         covers; ``anchors`` detected on it; its output ended with ``ending``,
-        ``AnchorDetector.output_ending``, its last token was ``closing``, None if it had
-        none): the session's next request is compared with it, expected to append as often
-        as requests after such an output did, and to come at all as often as sessions did
-        after an output closing alike."""
+        ``AnchorDetector.output_ending``, and with the tokens ``closing``, its last
+        ``CLOSING_TOKENS``, None if it had none): the session's next request is compared
+        with it, expected to append as often as requests after such an output did, and to
+        come at all as often as sessions did after an output closing alike."""
         owner = self.sessions.get(session)
         if owner is None:
             raise KeyError(f"session {session!r} was never planned")
@@ -283,8 +280,7 @@ class CheckpointPlanner:
                     or session.closing is None):
                 continue  # forgotten, back since, or counted already
             session.presumed_ended = True
-            self.stream.ends_after[session.closing] += 1
-            self.stream.ends += 1
+            self.stream.closings.count(session.closing, 0, 1)
 
     def _forget_idle_sessions(self, sending: str) -> None:
         """Forget the sessions that hold no checkpoint and ended or fell silent

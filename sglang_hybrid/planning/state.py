@@ -3,7 +3,7 @@ records of held checkpoints, sessions, followers and the stream's counters."""
 
 from __future__ import annotations
 
-from collections import Counter, deque
+from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Optional, Sequence
@@ -39,10 +39,14 @@ MAX_REMEMBERED_PREFIXES = 1 << 16
 FORGET_AFTER_GAPS = 64
 FORGET_SWEEP_REQUESTS = 256
 # A session ends once and is never seen to: for the stream's end rates, a session silent for
-# ENDED_AFTER_GAPS of its mean gaps counts as ended, until it comes back. The overall rate at
-# which sessions come back weighs as PRIOR_ENDS sessions in the rate after each closing token.
+# ENDED_AFTER_GAPS of its mean gaps counts as ended, until it comes back. The rates are kept
+# per closing (an output's last CLOSING_TOKENS tokens, and its last token alone), each drawn
+# toward the next shorter one's (the shortest toward the stream's overall rate) as PRIOR_ENDS
+# sessions; the MAX_REMEMBERED_CLOSINGS least recently counted are forgotten first.
 ENDED_AFTER_GAPS = 4
+CLOSING_TOKENS = 2
 PRIOR_ENDS = 2
+MAX_REMEMBERED_CLOSINGS = 1 << 16
 
 
 class Purpose(IntEnum):
@@ -144,11 +148,11 @@ class Session:
     # How the latest output ended (``AnchorDetector.output_ending``), once its request
     # finished; None while it runs. Transitions and edits after each ending:
     ending: Optional[int] = None
-    # The latest output's last token (None while its request runs or if it has none): the
-    # stream's rate of sessions ending after it (``StreamStats.ends_after``).
-    closing: Optional[int] = None
-    # Silent for ENDED_AFTER_GAPS of its mean gaps since its latest output (or closed by its
-    # client), it is counted in ``StreamStats.ends_after``; counted out if it comes back.
+    # The latest output's last CLOSING_TOKENS tokens (None while its request runs or if it has
+    # none): how often sessions came back after such an output (``StreamStats.closings``).
+    closing: Optional[tuple[int, ...]] = None
+    # Silent for ENDED_AFTER_GAPS of its mean gaps since its latest request (or closed by its
+    # client), it is counted as ended after its closing; counted out if it comes back.
     presumed_ended: bool = False
     transitions_after: Counter = field(default_factory=Counter)
     edits_after: Counter = field(default_factory=Counter)
@@ -174,6 +178,39 @@ class Session:
     ended: bool = False
 
 
+class ClosingCounts:
+    """Per closing suffix (an output's last token, its last two...): the sessions that came
+    back after an output closing so, and those presumed ended after one
+    (``Session.presumed_ended``). Any tokens may close an output: the least recently counted
+    suffixes are forgotten first, beyond ``capacity``."""
+
+    def __init__(self, capacity: int = MAX_REMEMBERED_CLOSINGS):
+        self.capacity = capacity
+        self._counts: OrderedDict[tuple[int, ...], list[int]] = OrderedDict()  # -> [returns, ends]
+        self.ends = 0  # sessions presumed ended, after any closing
+
+    def of(self, suffix: tuple[int, ...]) -> tuple[int, int]:
+        """(returns, ends) after outputs closing with ``suffix``."""
+        counts = self._counts.get(suffix)
+        return (0, 0) if counts is None else (counts[0], counts[1])
+
+    def count(self, closing: tuple[int, ...], returned: int, ended: int) -> None:
+        """Add ``returned`` returns and ``ended`` ends (-1: a session counted as ended came
+        back) to every suffix of ``closing``."""
+        for start in range(len(closing)):
+            suffix = closing[start:]
+            counts = self._counts.get(suffix)
+            if counts is None:
+                counts = self._counts[suffix] = [0, 0]
+            else:
+                self._counts.move_to_end(suffix)
+            counts[0] += returned
+            counts[1] = max(counts[1] + ended, 0)  # its end was forgotten with the suffix
+        self.ends += ended
+        while len(self._counts) > self.capacity:
+            self._counts.popitem(last=False)
+
+
 @dataclass
 class StreamStats:
     """Stream-wide counters: the priors of sessions with little history of their own."""
@@ -185,11 +222,8 @@ class StreamStats:
     edits_after: Counter = field(default_factory=Counter)
     gap_total: int = 0  # requests of any session between consecutive requests of one session
     gaps_after: Counter = field(default_factory=Counter)  # gap_total by the ending before them
-    # Sessions that came back after an output closing with each token, and those presumed
-    # ended after one (``Session.presumed_ended``); ``ends``: all presumed ended.
-    returns_after: Counter = field(default_factory=Counter)
-    ends_after: Counter = field(default_factory=Counter)
-    ends: int = 0
+    # Sessions that came back, and those presumed ended, after each closing.
+    closings: ClosingCounts = field(default_factory=ClosingCounts)
     pool_slots: int = 0  # the device checkpoint pool's size, as the latest request was planned
     # Message starts of new content proposed as SHARED_PATH checkpoints, and the checkpoints
     # taken at them that another session restored from: how often the stream's sessions follow
@@ -203,3 +237,4 @@ class StreamStats:
     # and of those, the ones that left the same leader's prompt at a message start.
     follow_seen: dict[bool, int] = field(default_factory=lambda: {True: 0, False: 0})
     follow_parted: dict[bool, int] = field(default_factory=lambda: {True: 0, False: 0})
+

@@ -12,7 +12,9 @@ from typing import Iterable, Mapping, Optional, Sequence
 import numpy as np
 
 from sglang_hybrid.cache.planning import CheckpointId
-from sglang_hybrid.planning.state import PRIOR_EDITS, PRIOR_ENDS, PRIOR_GAPS, SHARED_PURPOSES, Purpose, Record, Session, StreamStats
+from sglang_hybrid.planning.state import (
+    PRIOR_EDITS, PRIOR_ENDS, PRIOR_GAPS, SHARED_PURPOSES, Purpose, Record, Session, StreamStats,
+)
 
 
 def checkpoint_value(
@@ -243,23 +245,28 @@ def alive(session: Session, limit: float, stream: StreamStats) -> float:
 
 
 def return_probability(session: Session, stream: StreamStats) -> float:
-    """P(the session comes back at all after its latest output), from the token it closed
-    with: the stream's sessions came back after it ``returns_after`` times and were presumed
-    ended after it ``ends_after`` times (``ENDED_AFTER_GAPS``). An agent's closing words
-    end with their own token ("Have a great day!") where a question to its user or a step
-    of its work does not (tau-bench tuning traces: 42% of the answers ending with "!" end
-    their session, none of those ending with "." or "?"). 1 while its request runs."""
-    closing = session.closing
+    """P(the session comes back at all after its latest output): ``closing_return_rate`` of
+    the tokens it closed with, 1 while its request runs."""
+    return closing_return_rate(session.closing, stream)
+
+
+def closing_return_rate(closing: Optional[tuple[int, ...]], stream: StreamStats) -> float:
+    """The share of the stream's sessions that came back after an output closing with
+    ``closing`` (of those that came back and those presumed ended, ``ENDED_AFTER_GAPS``):
+    after its last token, drawn toward the stream's overall share (Laplace-smoothed) as
+    ``PRIOR_ENDS`` sessions, then after its last two, drawn toward that. An agent's closing
+    words end with their own tokens ("Have a great day!") where a question to its user or a
+    step of its work does not (tau-bench tuning traces: 42% of the answers ending with "!"
+    end their session, 22% of those ending with " ask!", 100% of " travels!", none of those
+    ending with "." or "?"). 1 for None."""
     if closing is None:
         return 1.0
-    return return_rate(stream.returns_after[closing], stream.ends_after[closing], stream.transitions, stream.ends)
-
-
-def return_rate(returns, ends, stream_returns, stream_ends):
-    """Of the sessions seen after an output closing with one token, the share that came back
-    (``returns`` of ``returns + ends``), the stream's overall share (Laplace-smoothed)
-    weighing as ``PRIOR_ENDS`` sessions. Scalars or arrays alike."""
-    return toward(returns, returns + ends, (stream_returns + 1) / (stream_returns + stream_ends + 2), PRIOR_ENDS)
+    counts = stream.closings
+    rate = (stream.transitions + 1) / (stream.transitions + counts.ends + 2)
+    for start in range(len(closing) - 1, -1, -1):
+        returns, ends = counts.of(closing[start:])
+        rate = toward(returns, returns + ends, rate, PRIOR_ENDS)
+    return rate
 
 
 def patience(gap, next_gap):
