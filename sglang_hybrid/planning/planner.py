@@ -272,7 +272,7 @@ class CheckpointPlanner:
 
     def _presume_ended(self) -> None:
         """Count in the stream's end rates the sessions silent past their deadline since
-        their latest output (``ENDED_AFTER_GAPS``), or closed by their client."""
+        their latest request (``ENDED_AFTER_GAPS``), or closed by their client."""
         while self._silences and self._silences[0][0] < self.clock:
             _, last_clock, name = heapq.heappop(self._silences)
             session = self.sessions.get(name)
