@@ -78,7 +78,6 @@ class HeldValues:
         self._edit = np.zeros(0)
         self._edit_weight = np.zeros(0)
         self._endings: dict[int, int] = {}  # output ending -> index
-        self._closings: list[Optional[tuple[int, ...]]] = []  # by session index, read with its counters
         self._clock: Optional[int] = None
         # Since the values were computed: sessions changed (their counters and own rows are
         # read again and all their rows valued), sessions whose checkpoints alone changed
@@ -241,7 +240,7 @@ class HeldValues:
             known, edit_rate(stats[:, EDITS_AFTER], stats[:, TRANSITIONS_AFTER], stream_edits, stream_transitions), edit)
         # The sessions share a handful of closings ("!", "?", a tool call's close): each
         # one's rate once, by the scalar function.
-        closings = [self._closings[index] for index in sessions.tolist()]
+        closings = [self._sessions[self._names[index]].closing for index in sessions.tolist()]
         rates = {closing: closing_return_rate(closing, stream) for closing in set(closings)}
         returning = np.array([rates[closing] for closing in closings])
         idle = self._clock - stats[:, LAST_CLOCK]
@@ -317,7 +316,6 @@ class HeldValues:
                      session.transitions_after[ending], session.edits_after[ending])
         self._stats[index] = (session.gap_total, session.transitions, session.edits, session.last_clock, *after,
                               session.ended)
-        self._closings[index] = session.closing
 
     def _read_own_rows(self, index: int) -> None:
         """What the session's own checkpoints' depths are worth to its restore points
@@ -347,7 +345,6 @@ class HeldValues:
         else:
             index = len(self._names)
             self._names.append(name)
-            self._closings.append(None)
             if index >= self._gap.shape[0]:
                 size = max(16, 2 * self._gap.shape[0])
                 self._gap, self._appends, self._alive, self._edit, self._edit_weight = (

@@ -237,4 +237,3 @@ class StreamStats:
     # and of those, the ones that left the same leader's prompt at a message start.
     follow_seen: dict[bool, int] = field(default_factory=lambda: {True: 0, False: 0})
     follow_parted: dict[bool, int] = field(default_factory=lambda: {True: 0, False: 0})
-
