@@ -19,7 +19,9 @@ import numpy as np
 import pytest
 from sglang_hybrid.anchors.detector import AnchorDetector, AnchorKind, Role
 from sglang_hybrid.anchors.hints import validate_hints
-from sglang_hybrid.planning.addresses import ANY_ROLE, FROM_END, IN_MESSAGE_FROM_END, AnchorIndex, Prefill
+from sglang_hybrid.planning.addresses import (
+    ANY_ROLE, FROM_END, IN_MESSAGE_FROM_END, PROMPT_TAIL, AnchorIndex, Prefill,
+)
 from sglang_hybrid.planning.edit_model import EditModel
 from sglang_hybrid.planning.anchor_planning import AnchorPlanning
 from sglang_hybrid.planning.planner import CheckpointPlanner
@@ -204,19 +206,46 @@ def test_stripped_reasoning_keeps_the_first_prompt_end_of_the_turn():
     for prompt, output in calls:
         restored.append(store.serve("qwen3", prompt, output)[1])
     # A new user turn diverges where the previous turn's first answer began: the prompt end of
-    # that turn's first call, whose prompt-tail checkpoint restores it but for one token.
-    for turn in range(2, 5):
+    # that turn's first call. Once the session has shown that rule, a checkpoint at that prompt
+    # end restores it exactly; before, the prompt tail restores it but for one token.
+    assert restored[4] >= len(calls[2][0]) - 1
+    for turn in range(3, 5):
         first_of_previous_turn = calls[2 * (turn - 1)][0]
-        assert restored[2 * turn] == len(first_of_previous_turn) - 1
-    # The valuation agrees: within the current turn, the first call's prompt tail is worth
-    # keeping for the next turn; the second call's is not.
+        assert restored[2 * turn] == len(first_of_previous_turn)
+    # The valuation agrees: within the current turn, the first call's prompt end is worth
+    # keeping for the next turn; the prompt tails, which only a repeat restores from, are not.
     session = planner.sessions["qwen3"]
-    tails = {depth: slot for slot, depth in session.on_path.items()
-             if planner.records[slot].purpose is Purpose.PROMPT_TAIL}
-    first_tail = tails[len(calls[-2][0]) - 1]
-    second_tail = tails[len(calls[-1][0]) - 1]
-    assert planner.value(first_tail, len(calls[-2][0]) - 1) > 0.0
-    assert planner.value(second_tail, len(calls[-1][0]) - 1) == 0.0
+    held = {depth: slot for slot, depth in session.on_path.items()}
+    first_end = len(calls[-2][0])
+    assert planner.records[held[first_end]].purpose is Purpose.PREDICTED_EDIT
+    assert planner.value(held[first_end], first_end) > 0.0
+    for prompt, _ in calls[-2:]:
+        assert planner.value(held[len(prompt) - 1], len(prompt) - 1) == 0.0
+
+
+def test_a_repeated_prompt_is_predicted_at_its_tail_and_a_re_rendered_output_at_the_prompt_end():
+    """A request repeating its session's prompt can restore at most from the prompt's last
+    token: that is the point it teaches (``PROMPT_TAIL``), where a template dropping the
+    reasoning of the latest answer teaches the prompt end, which the next, longer prompt
+    leaves. Each session is predicted at its own point, and each repeat recomputes one token."""
+    planner = CheckpointPlanner()
+    store = PrefixStore(planner, budget=8, evict=True)
+    system = message("system", text(1, 30))
+    retried = request([system, message("user", text(2, 12))], [])[0]
+    calls = reasoning_session(4)
+    for step in range(6):
+        _, restored = store.serve("retry", retried, np.array(text(50 + step, 5), dtype=np.int32))
+        if step >= 3:  # once the first repeat taught its point
+            assert restored == len(retried) - 1
+        store.serve("qwen3", *calls[step])
+    retry = planner.sessions["retry"].predictions
+    # The prompt end keeps only what the stream's other session (its prior) puts there.
+    assert retry[len(retried) - 1] > 10 * retry.get(len(retried), 0.0)
+    prompt = calls[5][0]
+    index = AnchorIndex(DETECTOR.detect(prompt), len(prompt))
+    assert (PROMPT_TAIL,) in index.addresses_of(len(prompt) - 1)
+    assert index.position_of((PROMPT_TAIL,)) == len(prompt) - 1
+    assert (PROMPT_TAIL,) not in index.addresses_of(len(prompt))
 
 
 def test_sessions_sharing_a_system_prompt_restore_at_the_message_start():
@@ -444,10 +473,10 @@ def test_whether_the_next_request_appends_is_learned_from_how_the_output_ended()
     """After a tool call the session's next request appends; after an answer it edits. The
     planner learns the two rates apart (the unconditional one is two thirds), so the
     generation-end state is worth its output after a tool call and nothing after an answer,
-    while the prompt tail, where an answer's edit restores, keeps its value after both."""
+    while the prompt end, where an answer's edit restores, keeps its value after both."""
     planner = CheckpointPlanner()
     store = PrefixStore(planner)
-    appends, end_values, tail_values = {}, {}, {}
+    appends, end_values, prompt_end_values = {}, {}, {}
     for turn, (prompt, output) in enumerate(reasoning_agent_session(18, tag=500)):
         store.serve("agent", prompt, output)
         if turn >= 9:
@@ -455,13 +484,13 @@ def test_whether_the_next_request_appends_is_learned_from_how_the_output_ended()
             ending = "tool call" if session.ending == END_TOOL_CALL else "answer"
             appends.setdefault(ending, []).append(append_probability(session, planner.stream))
             end = latest_continuation(planner, "agent")
-            tail = next(checkpoint for checkpoint, record in planner.records.items()
-                        if record.purpose is Purpose.PROMPT_TAIL and record.depth == len(prompt) - 1)
+            prompt_end = next(checkpoint for checkpoint, record in planner.records.items()
+                              if record.purpose is Purpose.PREDICTED_EDIT and record.depth == len(prompt))
             end_values.setdefault(ending, []).append(planner.value(end, planner.records[end].depth))
-            tail_values.setdefault(ending, []).append(planner.value(tail, len(prompt) - 1))
+            prompt_end_values.setdefault(ending, []).append(planner.value(prompt_end, len(prompt)))
     assert min(appends["tool call"]) > 0.8 > 0.2 > max(appends["answer"]), appends
     assert max(end_values["answer"]) < 0.2 * min(end_values["tool call"]), end_values
-    assert min(tail_values["tool call"]) > 0 and min(tail_values["answer"]) > 0, tail_values
+    assert min(prompt_end_values["tool call"]) > 0 and min(prompt_end_values["answer"]) > 0, prompt_end_values
 
 
 def test_an_append_that_comes_sooner_is_worth_more_per_request():
@@ -603,7 +632,7 @@ def test_closing_counts_forget_the_least_recently_counted_and_never_go_negative(
 
 
 def test_the_pool_share_weighs_a_predicted_edit_by_how_soon_and_how_long():
-    """The prompt tail after an answer is where the user's next turn, which re-renders the
+    """The prompt end after an answer is where the user's next turn, which re-renders the
     answer without its reasoning, restores. With a slot for every active session it is worth
     its edit share of what it saves. With a slot for every two sessions or fewer, that share
     times how much sooner than the session's mean gap its next request comes, at most all of
@@ -627,12 +656,12 @@ def test_the_pool_share_weighs_a_predicted_edit_by_how_soon_and_how_long():
     for turn, prompt, ending in agent_among_other_sessions(PrefixStore(planner)):
         session = planner.sessions["agent"]
         if turn >= 9:
-            tail = next(checkpoint for checkpoint, record in planner.records.items()
-                        if record.session == "agent" and record.depth == len(prompt) - 1)
-            one_each = value_with_share(tail, 1.0)
+            prompt_end = next(checkpoint for checkpoint, record in planner.records.items()
+                              if record.session == "agent" and record.depth == len(prompt))
+            one_each = value_with_share(prompt_end, 1.0)
             assert one_each > 0.0
-            scarce.setdefault(ending, []).append(value_with_share(tail, 0.5) / one_each)
-            ample.setdefault(ending, []).append(value_with_share(tail, 4.0) / one_each)
+            scarce.setdefault(ending, []).append(value_with_share(prompt_end, 0.5) / one_each)
+            ample.setdefault(ending, []).append(value_with_share(prompt_end, 4.0) / one_each)
             soon.setdefault(ending, []).append(mean_gap(session, planner.stream) / next_gap(session, planner.stream))
     assert scarce["tool call"] == [1.0] * len(scarce["tool call"]), scarce
     assert max(scarce["answer"]) < 0.9, scarce

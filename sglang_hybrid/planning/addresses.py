@@ -21,6 +21,12 @@ AFTER_LAST_USER = 3  # (AFTER_LAST_USER, kind, role, n): relative to the last us
 # rank of the one leaving it among tool results varies with how many of the messages after it
 # are tool results; its rank among messages does not.
 IN_MESSAGE_FROM_END = 4
+# (PROMPT_TAIL,): the prompt's last token, the deepest state a request repeating the prompt
+# can restore from (it computes at least one token for its first output's logits). The
+# prompt end itself (FROM_END, PROMPT_END, ...) is where a template re-rendering the
+# latest output (Qwen3's dropping its reasoning) makes the next prompt leave this one: a
+# checkpoint there saves that request one token more, and serves no repeat.
+PROMPT_TAIL = 5
 WINDOWED_PARTS = frozenset({int(AnchorKind.TOOL_RESULT_START)})
 # The role of a message-start address that counts messages of every role: a window of the last
 # N events (observation masking, a sliding window) moves by messages, whatever their roles.
@@ -55,6 +61,8 @@ class AnchorIndex:
         self.messages = self.by_key[(int(AnchorKind.MESSAGE_START), ANY_ROLE)] = anchors.of_kind(AnchorKind.MESSAGE_START)
         users = self.by_key.get((int(AnchorKind.MESSAGE_START), int(Role.USER)))
         self.last_user = int(users[-1]) if users is not None and users.size else None
+        prompt_ends = self.by_key.get((int(AnchorKind.PROMPT_END), int(Role.NONE)))
+        self.prompt_tail = int(prompt_ends[-1]) - 1 if prompt_ends is not None and prompt_ends.size else None
         self._anchors = anchors
 
     def addresses_of(self, position: int) -> list[Address]:
@@ -66,6 +74,8 @@ class AnchorIndex:
         content first differs is not, and a checkpoint one token too deep is unusable.
         """
         addresses: list[Address] = [(ABSOLUTE, position)]
+        if position == self.prompt_tail:
+            addresses.append((PROMPT_TAIL,))
         index = int(np.searchsorted(self.unique, position, side="right")) - 1
         if index < 0:
             return addresses
@@ -136,6 +146,8 @@ class AnchorIndex:
             return address[1] if address[1] <= self.length else None
         if kind == FROM_START:
             return int(self.unique[address[1]]) if address[1] < self.unique.size else None
+        if kind == PROMPT_TAIL:
+            return self.prompt_tail
         if kind == IN_MESSAGE_FROM_END:
             n = address[3]
             return self._first_in_message(address[1], address[2], self.messages.size - n) if n <= self.messages.size else None

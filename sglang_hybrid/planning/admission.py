@@ -54,9 +54,10 @@ def propose(ctx: RequestContext, predictions: Mapping[int, float], own_prefix: i
             propose_one(int(depth), Purpose.HINT)
     propose_one(prompt_len - 1, Purpose.PROMPT_TAIL)
     for depth in sorted(predictions):
-        # A predicted point in the output or at the prompt end is covered by the
-        # prompt-tail and generation-end states.
-        if depth < prompt_len - 1:
+        # A predicted point in the output is covered by the generation-end state; the
+        # prompt end (where a re-rendered output makes the next prompt leave this one) is
+        # a point of its own.
+        if depth != prompt_len - 1:
             propose_one(depth, Purpose.PREDICTED_EDIT)
     branch = branch_depth(ctx, own_prefix)
     if branch is not None and branch not in candidates:
@@ -139,7 +140,7 @@ def admit(
             pass
         elif free > 0:
             # A free slot costs nothing: the prompt tail takes one even unvalued, since it
-            # serves what no edit model predicts (a repeat, a re-rendered output).
+            # serves a repeat no edit model predicts yet.
             if value <= 0.0 and purpose is not Purpose.PROMPT_TAIL:
                 continue
         else:

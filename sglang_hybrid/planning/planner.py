@@ -5,8 +5,8 @@ restores from the deepest checkpoint at or before the point where it leaves the 
 kinds of points are reached again:
 
 * the end of the request (append-only continuation): the cache keeps the generation-end state
-  on finish; the planner keeps ``len(prompt) - 1`` as well, so an identical repeat (or a
-  re-rendered output) recomputes one token;
+  on finish; the planner keeps ``len(prompt) - 1`` as well, so an identical repeat
+  recomputes one token;
 * where the session's next request will *edit* its history (observation masking, stripped
   reasoning, a rewritten memory block). Edits follow a rule of the agent framework, so the
   planner learns the rule online: each past edit point (first divergence vs the session's
@@ -212,8 +212,11 @@ class CheckpointPlanner:
             self.stream.edits_after[ending] += 1
             if session.model is None:
                 session.model = EditModel(self._model_capacity, self._learning_rate)
-            session.model.observe(session.index, common, self.global_model, session.prefills)
-            self.global_model.observe(session.index, common, None, session.prefills)
+            # A prompt that repeats the previous one up to its end can restore at most from its
+            # own last token.
+            restorable = min(common, prompt.shape[0] - 1)
+            session.model.observe(session.index, restorable, self.global_model, session.prefills)
+            self.global_model.observe(session.index, restorable, None, session.prefills)
         return common
 
     def _shared_candidates(self, session: str, candidates: list[tuple[int, Purpose]]) -> SharedCandidates:

@@ -53,7 +53,7 @@ class Purpose(IntEnum):
     """Why a checkpoint was taken; it decides how its value is estimated."""
 
     CONTINUATION = 0  # the generation-end state a request leaves on finish
-    PROMPT_TAIL = 1  # len(prompt) - 1: identical repeats, re-rendered outputs
+    PROMPT_TAIL = 1  # len(prompt) - 1: identical repeats
     PREDICTED_EDIT = 2  # where the session's next edit is predicted
     BRANCH = 3  # where requests leave a path shared with other requests
     HINT = 4  # a client-requested position
