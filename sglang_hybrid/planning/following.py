@@ -6,11 +6,12 @@ message start, beyond the first message) names the session it follows."""
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Optional
+from typing import Mapping, Optional
 
 import numpy as np
 
-from sglang_hybrid.planning.state import MAX_REMEMBERED_PREFIXES, Follow
+from sglang_hybrid.anchors.detector import AnchorKind, Anchors
+from sglang_hybrid.planning.state import MAX_REMEMBERED_PREFIXES, Follow, Session, StreamStats
 
 # Digests are polynomial hashes modulo 2**64 of (token id + 1) -- so a trailing token 0 still
 # counts -- with an odd multiplier. A prefix's digest is the sum of its messages' terms, so one
@@ -103,3 +104,27 @@ class PrefixProducers:
                 self._first[digest] = (session, clock)
         while len(self._first) > self.capacity:
             self._first.popitem(last=False)
+
+
+def follow(producers: PrefixProducers, name: str, prompt: np.ndarray, anchors: Anchors,
+           sessions: Mapping[str, Session], stream: StreamStats) -> None:
+    """Find the session the prompt of ``name``'s request follows (``PrefixProducers.leader``),
+    count in the stream how the previous prompt's follow state went on, and remember this
+    prompt's prefixes."""
+    session = sessions[name]
+    prompt_len = int(prompt.shape[0])
+    starts = [int(d) for d in anchors.of_kind(AnchorKind.MESSAGE_START).tolist() if 0 < d < prompt_len]
+    digests, session.planned_messages = prefix_digests(prompt, [*starts, prompt_len])
+    following = producers.leader(name, starts, digests, session.planned_messages)
+    if following is not None and following.leader not in sessions:
+        following = None  # the session it repeats was forgotten
+    before = session.following
+    if before is not None:
+        stream.follow_seen[before.whole] += 1
+        if following is not None and following.leader == before.leader and not following.whole:
+            stream.follow_parted[before.whole] += 1
+        sessions[before.leader].followers.pop(name, None)
+    session.following = following
+    if following is not None:
+        sessions[following.leader].followers[name] = following
+    producers.remember(digests, name, stream.clock)

@@ -8,9 +8,10 @@ stream's counters behind every session's priors: each request values the whole p
 Valued one by one in Python that cost ~3 us a checkpoint (3 ms a request at 1,024 slots).
 Here a session's checkpoints share its few per-request quantities (its mean gap, append
 probability, liveness), computed for all sessions at once from their counters (copied when a
-session changes) and the stream's; what an own checkpoint's depth is worth to its session's
-restore points is kept in its row until the session changes; the rest is arithmetic over
-arrays, in the order of operations of the scalar functions, so the values are the same floats.
+session changes) and the stream's (``SessionQuantities``); what an own checkpoint's depth is
+worth to its session's restore points is kept in its row until the session changes; the rest
+is arithmetic over arrays, in the order of operations of the scalar functions, so the values
+are the same floats.
 
 The row of a checkpoint is fixed by where it is (device slot s: row 2s, host slot s: row
 2s + 1), so the device values by slot are every other row. Reads the planner's records,
@@ -25,10 +26,10 @@ from typing import Mapping, Optional
 import numpy as np
 
 from sglang_hybrid.cache.planning import CheckpointId, Tier
-from sglang_hybrid.planning.state import PRIOR_GAPS, SHARED_PURPOSES, Purpose, Record, Session, StreamStats
+from sglang_hybrid.planning.session_quantities import SessionQuantities
+from sglang_hybrid.planning.state import SHARED_PURPOSES, Purpose, Record, Session, StreamStats
 from sglang_hybrid.planning.valuation import (
-    closing_return_rate, edit_rate, edit_weight, followed_value, patience, restore_horizon, restore_shares, scarcity,
-    shared_prior, shared_value, stream_mean_gap, toward, within_horizon,
+    followed_value, restore_horizon, restore_shares, shared_prior, shared_value, within_horizon,
 )
 
 # The table's columns. Flags are 0.0 / 1.0.
@@ -37,11 +38,6 @@ SESSION, SHARED, BRANCH, HINT, CREATED, USES, SPAN = range(7)
 # points but the end), serves the end of the latest sequence, tokens it saves (at least 1).
 ON_PATH, PREDICTED, SERVES_END, SAVED = range(7, 11)
 COLUMNS = 11
-# A session's counters, copied when it changes (``Session``): gaps, transitions and edits, its
-# latest request's clock, the ending of its latest output (an index into the endings seen, -1:
-# not known yet), the gaps, transitions and edits after that ending, whether it ended.
-GAP_TOTAL, TRANSITIONS, EDITS, LAST_CLOCK, ENDING, GAPS_AFTER, TRANSITIONS_AFTER, EDITS_AFTER, ENDED = range(9)
-SESSION_STATS = 9
 # Up to this many rows are valued one by one (``_evaluate_each``): the few a change between
 # clock ticks leaves (a finished request's checkpoints, a victim's session) cost ~2 us each
 # that way, where the ~35 array operations of a bulk evaluation cost ~40 us at any size.
@@ -62,22 +58,11 @@ class HeldValues:
         self._values = np.zeros(0)
         self._live = np.zeros(0, dtype=bool)
         self._checkpoints: list[Optional[CheckpointId]] = []  # by row
-        # Session name -> index; each session's rows, and of those its own checkpoints'.
-        self._index: dict[str, int] = {}
-        self._names: list[str] = []
-        self._free_indices: list[int] = []  # of sessions the planner forgot
+        # By session index: its quantities for the clock tick of the values; its rows, and of
+        # those its own checkpoints'.
+        self._quantities = SessionQuantities(sessions, stream)
         self._rows_of: dict[int, set[int]] = {}
         self._own_rows_of: dict[int, set[int]] = {}
-        # By session index: its counters, and for the clock tick of the values its mean gap,
-        # P(next request appends) scaled by how soon it comes, P(alive), P(next request edits),
-        # the weight of its predicted edit points (``valuation.edit_weight``).
-        self._stats = np.zeros((0, SESSION_STATS))
-        self._gap = np.zeros(0)
-        self._appends = np.zeros(0)
-        self._alive = np.zeros(0)
-        self._edit = np.zeros(0)
-        self._edit_weight = np.zeros(0)
-        self._endings: dict[int, int] = {}  # output ending -> index
         self._clock: Optional[int] = None
         # Since the values were computed: sessions changed (their counters and own rows are
         # read again and all their rows valued), sessions whose checkpoints alone changed
@@ -96,7 +81,10 @@ class HeldValues:
         row = _row(checkpoint)
         if row >= self._live.shape[0]:
             self._grow(row + 1)
-        session = self._session_index(record.session)
+        session = self._quantities.index_of(record.session)
+        if session is None:
+            session = self._quantities.add(record.session)
+            self._changed.add(session)  # its counters are read with the next values
         self._live[row] = True
         self._checkpoints[row] = checkpoint
         self._rows_of.setdefault(session, set()).add(row)
@@ -139,7 +127,7 @@ class HeldValues:
     def changed(self, session: str) -> None:
         """``session``'s counters, predictions or sequence changed: its checkpoints' values
         are computed again."""
-        index = self._index.get(session)
+        index = self._quantities.index_of(session)
         if index is not None:
             self._changed.add(index)
 
@@ -147,20 +135,18 @@ class HeldValues:
         """A checkpoint on ``session``'s path was recorded or dropped: what its own
         checkpoints' depths are worth to its restore points is read again (its counters, so
         its shared checkpoints' values, are as they were)."""
-        index = self._index.get(session)
+        index = self._quantities.index_of(session)
         if index is not None:
             self._paths_changed.add(index)
 
     def forgotten(self, session: str) -> None:
         """The planner forgot ``session``, which holds no checkpoint: its index serves the
         next new session."""
-        index = self._index.pop(session, None)
+        index = self._quantities.forget(session)
         if index is None:
             return
-        self._names[index] = ""
         for pending in (self._changed, self._paths_changed, self._current):
             pending.discard(index)
-        self._free_indices.append(index)
 
     # ---- values ----
 
@@ -191,7 +177,7 @@ class HeldValues:
 
     def _refresh(self) -> None:
         for session in self._changed:
-            self._read_session(session)
+            self._quantities.read(session)
             self._current.discard(session)
         for session in self._changed | self._paths_changed:
             if session in self._own_rows_of:
@@ -214,44 +200,9 @@ class HeldValues:
             return
         outdated = [session for session in sessions if session not in self._current]
         if outdated:
-            self._session_quantities(np.array(outdated, dtype=np.int64))
+            self._quantities.compute(np.array(outdated, dtype=np.int64), self._clock)
             self._current.update(outdated)
         self._evaluate(rows, sessions)
-
-    def _session_quantities(self, sessions: np.ndarray) -> None:
-        """``valuation``'s mean_gap, append_probability x mean_gap / next_gap, alive and
-        edit_probability of ``sessions``, from their counters and the stream's, with
-        ``valuation``'s own arithmetic applied to arrays."""
-        stream, stats = self._stream, self._stats[sessions]
-        stream_gap = stream_mean_gap(stream)
-        gap = toward(stats[:, GAP_TOTAL], stats[:, TRANSITIONS], stream_gap, PRIOR_GAPS)
-        edit = edit_rate(stats[:, EDITS], stats[:, TRANSITIONS], stream.edits, stream.transitions)
-        # After a known ending: the session's gaps and edits after such endings, the stream's
-        # after it (its gaps drawn toward its mean gap) as the prior. Index -1: none known.
-        after = np.zeros((3, len(self._endings) + 1))
-        for ending, index in self._endings.items():
-            after[:, index] = (stream.gaps_after[ending], stream.transitions_after[ending], stream.edits_after[ending])
-        ending = stats[:, ENDING].astype(np.int64)
-        stream_gaps, stream_transitions, stream_edits = after[:, ending]
-        known = ending >= 0
-        gap_prior = toward(stream_gaps, stream_transitions, stream_gap, PRIOR_GAPS)
-        next_gap = np.where(known, toward(stats[:, GAPS_AFTER], stats[:, TRANSITIONS_AFTER], gap_prior, PRIOR_GAPS), gap)
-        appends = 1.0 - np.where(
-            known, edit_rate(stats[:, EDITS_AFTER], stats[:, TRANSITIONS_AFTER], stream_edits, stream_transitions), edit)
-        # The sessions share a handful of closings ("!", "?", a tool call's close): each
-        # one's rate once, by the scalar function.
-        closings = [self._sessions[self._names[index]].closing for index in sessions.tolist()]
-        rates = {closing: closing_return_rate(closing, stream) for closing in set(closings)}
-        returning = np.array([rates[closing] for closing in closings])
-        idle = self._clock - stats[:, LAST_CLOCK]
-        limit = patience(gap, next_gap)
-        with np.errstate(divide="ignore", invalid="ignore"):
-            self._alive[sessions] = np.where(
-                stats[:, ENDED] > 0.0, 0.0, returning * np.where(idle <= limit, 1.0, (limit / idle) ** 2))
-        self._gap[sessions] = gap
-        self._appends[sessions] = appends * gap / next_gap
-        self._edit_weight[sessions] = edit_weight(gap, next_gap, scarcity(stream))
-        self._edit[sessions] = edit
 
     def _evaluate(self, rows: np.ndarray, sessions: list[int]) -> None:
         if rows.shape[0] <= FEW_ROWS:
@@ -259,19 +210,19 @@ class HeldValues:
             return
         table = self._table[rows]
         session = table[:, SESSION].astype(np.int64)
-        gap = self._gap[session]
+        gap = self._quantities.gap[session]
         prior = np.where(table[:, BRANCH] > 0.0, shared_prior(Purpose.BRANCH, self._stream),
                          shared_prior(Purpose.SHARED_PATH, self._stream))
         shared = shared_value(table[:, SPAN], table[:, USES], self._clock - table[:, CREATED], prior, gap)
         # Own: P(the session's next request restores from it) x P(alive) x tokens saved.
         predicted = within_horizon(table[:, PREDICTED], restore_horizon(self._stream))
-        probability = predicted * self._edit_weight[session] + table[:, SERVES_END] * self._appends[session]
-        probability = np.where(table[:, HINT] > 0.0, np.maximum(probability, self._edit[session]), probability)
+        probability = predicted * self._quantities.edit_weight[session] + table[:, SERVES_END] * self._quantities.appends[session]
+        probability = np.where(table[:, HINT] > 0.0, np.maximum(probability, self._quantities.edit[session]), probability)
         kept = (table[:, ON_PATH] > 0.0) & (probability > 0.0)
-        own = np.where(kept, probability * self._alive[session] * table[:, SAVED], 0.0)
+        own = np.where(kept, probability * self._quantities.alive[session] * table[:, SAVED], 0.0)
         self._values[rows] = np.where(table[:, SHARED] > 0.0, shared, own)
         # Plus, for a leader's shared-path checkpoints, what its followers will restore.
-        leaders = [index for index in sessions if self._sessions[self._names[index]].followers]
+        leaders = [index for index in sessions if self._quantities.session(index).followers]
         if leaders:
             following = (table[:, SHARED] > 0.0) & (table[:, BRANCH] == 0.0) & np.isin(session, leaders)
             for row in rows[following].tolist():
@@ -290,37 +241,26 @@ class HeldValues:
                 self._table[row].tolist())
             index = int(session)
             if shared > 0.0:
-                value = shared_value(span, uses, clock - created, priors[branch > 0.0], self._gap.item(index))
-                owner = self._sessions[self._names[index]]
+                value = shared_value(span, uses, clock - created, priors[branch > 0.0], self._quantities.gap.item(index))
+                owner = self._quantities.session(index)
                 if branch == 0.0 and owner.followers:
                     record = self._records[self._checkpoints[row]]
                     value += followed_value(owner, record, self._sessions, stream)
             else:
-                probability = (within_horizon(predicted, horizon) * self._edit_weight.item(index)
-                               + serves_end * self._appends.item(index))
+                probability = (within_horizon(predicted, horizon) * self._quantities.edit_weight.item(index)
+                               + serves_end * self._quantities.appends.item(index))
                 if hint > 0.0:
-                    probability = max(probability, self._edit.item(index))
+                    probability = max(probability, self._quantities.edit.item(index))
                 kept = on_path > 0.0 and probability > 0.0
-                value = probability * self._alive.item(index) * saved if kept else 0.0
+                value = probability * self._quantities.alive.item(index) * saved if kept else 0.0
             self._values[row] = value
 
     # ---- reading the planner's sessions ----
 
-    def _read_session(self, index: int) -> None:
-        session = self._sessions[self._names[index]]
-        ending = session.ending
-        if ending is None:
-            after = (-1, 0, 0, 0)
-        else:
-            after = (self._endings.setdefault(ending, len(self._endings)), session.gaps_after[ending],
-                     session.transitions_after[ending], session.edits_after[ending])
-        self._stats[index] = (session.gap_total, session.transitions, session.edits, session.last_clock, *after,
-                              session.ended)
-
     def _read_own_rows(self, index: int) -> None:
         """What the session's own checkpoints' depths are worth to its restore points
         (``valuation.RestoreShares``)."""
-        session = self._sessions[self._names[index]]
+        session = self._quantities.session(index)
         shares = restore_shares(session, session.on_path.values())
         rows = list(self._own_rows_of[index])
         columns = []
@@ -334,26 +274,6 @@ class HeldValues:
                 max(depth - max(session.base_depth, below), 1),
             ))  # fmt: skip
         self._table[rows, ON_PATH:] = columns
-
-    def _session_index(self, name: str) -> int:
-        index = self._index.get(name)
-        if index is not None:
-            return index
-        if self._free_indices:
-            index = self._free_indices.pop()
-            self._names[index] = name
-        else:
-            index = len(self._names)
-            self._names.append(name)
-            if index >= self._gap.shape[0]:
-                size = max(16, 2 * self._gap.shape[0])
-                self._gap, self._appends, self._alive, self._edit, self._edit_weight = (
-                    np.resize(array, size)
-                    for array in (self._gap, self._appends, self._alive, self._edit, self._edit_weight))
-                self._stats = np.concatenate([self._stats, np.zeros((size - self._stats.shape[0], SESSION_STATS))])
-        self._index[name] = index
-        self._changed.add(index)  # its counters are read with the next values
-        return index
 
     def _grow(self, rows: int) -> None:
         old = self._live.shape[0]

@@ -1,42 +1,26 @@
-"""CheckpointPlanner: which depths of a request get a recurrent-state checkpoint, under a budget.
+"""CheckpointPlanner: which depths of a request get a recurrent-state checkpoint, under a budget
+(docs/architecture.md, "Planning quantities").
 
 A checkpoint is worth its slot only if a later request restores from it, and a later request
-restores from the deepest checkpoint at or before the point where it leaves the tree. Three
-kinds of points are reached again:
+restores from the deepest checkpoint at or before the point where it leaves the tree. The
+points reached again:
 
-* the end of the request (append-only continuation): the cache keeps the generation-end state
-  on finish; the planner keeps ``len(prompt) - 1`` as well, so an identical repeat
-  recomputes one token;
-* where the session's next request will *edit* its history (observation masking, stripped
-  reasoning, a rewritten memory block). Edits follow a rule of the agent framework, so the
-  planner learns the rule online: each past edit point (first divergence vs the session's
-  previous request) is described in several coordinate systems -- absolute position, n-th
-  anchor from the start, n-th anchor of a kind (or n-th message of any role) from the end, n-th
-  anchor of a kind after the last user message -- and every description is scored by how well
-  it would have predicted the edits that followed. A session's own scores are blended with the
-  stream's (weighted as PRIOR_EDITS edits), so a session that has shown one rule still expects
-  the others the stream shows. The best descriptions, evaluated on the current request, give
-  the depths the next edit needs;
-* branch points, where a request leaves a path other requests share (a system prompt common to
-  all sessions): a checkpoint at the shared anchor there serves every later session;
-* shared paths: the message starts of content a request computes first, for other sessions
-  that follow it (trials of one task, forked conversations) and leave it in some message;
-* where a session following another parts from it: trials of one task, run one after
-  another, send the same prompts until their outputs differ. The planner remembers which
-  request first sent each prompt prefix ending at a message start, so a request that repeats
-  another session's prompt (whole, or up to a message start) names the session it follows.
-  Its next request shares the leader's next prompt up to the end of the last message the two
-  share, or of one more: the leader's shared-path checkpoints there are worth what the
-  follower will restore from them, at the rate followers were seen to part so.
+* the end of the request, from which an append-only continuation restores (the cache keeps
+  the generation-end state), and the prompt tail ``len(prompt) - 1``, from which an
+  identical repeat does;
+* where the session's next request *edits* its history (a masked observation, an answer
+  re-rendered without its reasoning, a rewritten memory block), learned online from where
+  the session's and the stream's past edits landed (``edit_model``, ``addresses``);
+* branch points, where a request leaves a path other requests share (a system prompt common
+  to all sessions);
+* shared paths: the message starts of content a request computes first, for the sessions
+  that follow it (trials of one task, forked conversations: ``following``) and leave it in
+  some later message.
 
-Budget: one value function, *expected recomputed tokens saved* = P(the next request that can
-use it does) x the tokens it saves over the session's next shallower checkpoint (or its shared
-base) -- for checkpoints that serve other sessions,
-their use rate x what they save over the shared checkpoint before them -- ranks candidates for
-admission and held checkpoints for eviction (the cache's planning ``value``), so
-a flood of message-start checkpoints never pushes out the continuation states the next turns
-need; and a message start displaces a held checkpoint only if it is worth its capture
-(``CAPTURE_COST_TOKENS``) more, so fresh ones do not churn through older ones.
+One value function, the *expected recomputed tokens a checkpoint saves* -- P(a request
+restores from it) x the tokens it saves over the next shallower checkpoint -- ranks the
+candidates for admission and the held checkpoints for eviction (``valuation``,
+``held_values``, ``admission``).
 
 Every decision is a deterministic function of the request stream: the clock is the number of
 requests planned, no randomness, no wall time, and no iteration over hash-ordered containers,
@@ -45,20 +29,20 @@ so tensor-parallel ranks running their own planner agree.
 
 from __future__ import annotations
 
-import heapq
 from typing import Iterable, Optional
 
 import numpy as np
 
-from sglang_hybrid.anchors.detector import AnchorKind, Anchors
+from sglang_hybrid.anchors.detector import Anchors
 from sglang_hybrid.cache.planning import CheckpointId
 from sglang_hybrid.planning.addresses import AnchorIndex, Prefill
 from sglang_hybrid.planning.admission import SharedCandidates, admit, propose
 from sglang_hybrid.planning.edit_model import EditModel
-from sglang_hybrid.planning.following import PrefixProducers, prefix_digests
+from sglang_hybrid.planning.ends import SessionEnds
+from sglang_hybrid.planning.following import PrefixProducers, follow
 from sglang_hybrid.planning.held_values import HeldValues
 from sglang_hybrid.planning.state import (
-    ENDED_AFTER_GAPS, FORGET_AFTER_GAPS, FORGET_SWEEP_REQUESTS, PRIOR_EDITS, SHARED_PURPOSES, CheckpointPlan, Purpose,
+    FORGET_AFTER_GAPS, FORGET_SWEEP_REQUESTS, PRIOR_EDITS, SHARED_PURPOSES, CheckpointPlan, Purpose,
     Record, RequestContext, Session, StreamStats,
 )
 from sglang_hybrid.planning.valuation import (
@@ -96,9 +80,7 @@ class CheckpointPlanner:
         self._producers = PrefixProducers()
         # Every held checkpoint's value, for admission against a full pool and for eviction.
         self._held = HeldValues(self.records, self.sessions, self.stream)
-        # (clock past which a session counts as ended, the clock of its latest request, its
-        # name), a heap: one entry per finished request, stale once the session sends another.
-        self._silences: list[tuple[float, int, str]] = []
+        self._ends = SessionEnds()
 
     @property
     def clock(self) -> int:
@@ -112,7 +94,7 @@ class CheckpointPlanner:
         self.stream.pool_slots = ctx.pool_slots
         if self.clock % FORGET_SWEEP_REQUESTS == 0:
             self._forget_idle_sessions(sending=ctx.session)
-        self._presume_ended()
+        self._ends.presume_ended(self.sessions, self.stream)
         prompt_len = int(ctx.prompt_ids.shape[0])
         session = self.sessions.get(ctx.session)
         own_prefix = 0
@@ -129,7 +111,7 @@ class CheckpointPlanner:
             if restored.purpose is Purpose.SHARED_PATH and restored.session != ctx.session and not restored.followed:
                 restored.followed = True
                 self.stream.shared_followed += 1
-        self._follow(ctx, session)
+        follow(self._producers, ctx.session, ctx.prompt_ids, ctx.anchors, self.sessions, self.stream)
 
         index = AnchorIndex(ctx.anchors, prompt_len)
         if session.model is not None:
@@ -158,26 +140,6 @@ class CheckpointPlanner:
             ctx.free_slots, self._held.ascending,
         ))  # fmt: skip
 
-    def _follow(self, ctx: RequestContext, session: Session) -> None:
-        """Find the session this prompt follows (``PrefixProducers.leader``), learn how the
-        previous prompt's follow state went on, and remember this prompt's prefixes."""
-        prompt_len = int(ctx.prompt_ids.shape[0])
-        starts = [int(d) for d in ctx.anchors.of_kind(AnchorKind.MESSAGE_START).tolist() if 0 < d < prompt_len]
-        digests, session.planned_messages = prefix_digests(ctx.prompt_ids, [*starts, prompt_len])
-        follow = self._producers.leader(ctx.session, starts, digests, session.planned_messages)
-        if follow is not None and follow.leader not in self.sessions:
-            follow = None  # the session it repeats was forgotten
-        before = session.following
-        if before is not None:
-            self.stream.follow_seen[before.whole] += 1
-            if follow is not None and follow.leader == before.leader and not follow.whole:
-                self.stream.follow_parted[before.whole] += 1
-            self.sessions[before.leader].followers.pop(ctx.session, None)
-        session.following = follow
-        if follow is not None:
-            self.sessions[follow.leader].followers[ctx.session] = follow
-        self._producers.remember(digests, ctx.session, self.clock)
-
     def _learn_transition(self, session: Session, prompt: np.ndarray) -> int:
         """Learn from how this prompt continues the session's previous request; return the
         length of their common prefix."""
@@ -191,10 +153,7 @@ class CheckpointPlanner:
         session.transitions += 1
         self.stream.transitions += 1
         ending, session.ending = session.ending, None  # this request's output is not known yet
-        closing, session.closing = session.closing, None
-        if closing is not None:
-            self.stream.closings.count(closing, 1, -1 if session.presumed_ended else 0)
-            session.presumed_ended = False
+        self._ends.returned(session, self.stream)
         session.transitions_after[ending] += 1
         self.stream.transitions_after[ending] += 1
         session.on_path = {checkpoint: depth for checkpoint, depth in session.on_path.items() if depth <= common}
@@ -251,9 +210,7 @@ class CheckpointPlanner:
             raise KeyError(f"session {session!r} was never planned")
         owner.sequence, owner.index = sequence, AnchorIndex(anchors, int(sequence.shape[0]))
         owner.ending, owner.closing = ending, closing
-        if closing is not None:
-            deadline = owner.last_clock + ENDED_AFTER_GAPS * mean_gap(owner, self.stream)
-            heapq.heappush(self._silences, (deadline, owner.last_clock, session))
+        self._ends.finished(session, owner, self.stream)
         self._held.changed(session)
 
     def end_session(self, session: str) -> None:
@@ -265,25 +222,11 @@ class CheckpointPlanner:
         if owner is None or owner.ended:
             return
         owner.ended = True
-        # Counted ended at the next request, with the silent ones: the stream's counters move
-        # only with the clock, when the held values read them again.
-        heapq.heappush(self._silences, (float(self.clock), owner.last_clock, session))
+        self._ends.closed(session, owner, self.clock)
         self._held.changed(session)
         if owner.following is not None:
             # Its leader's shared-path checkpoints were worth what it would restore from them.
             self._held.changed(owner.following.leader)
-
-    def _presume_ended(self) -> None:
-        """Count in the stream's end rates the sessions silent past their deadline since
-        their latest request (``ENDED_AFTER_GAPS``), or closed by their client."""
-        while self._silences and self._silences[0][0] < self.clock:
-            _, last_clock, name = heapq.heappop(self._silences)
-            session = self.sessions.get(name)
-            if (session is None or session.last_clock != last_clock or session.presumed_ended
-                    or session.closing is None):
-                continue  # forgotten, back since, or counted already
-            session.presumed_ended = True
-            self.stream.closings.count(session.closing, 0, 1)
 
     def _forget_idle_sessions(self, sending: str) -> None:
         """Forget the sessions that hold no checkpoint and ended or fell silent
