@@ -22,7 +22,7 @@ SESSION_STATS = 9
 
 class SessionQuantities:
     """By session index: its counters, and as of the latest ``compute`` its mean gap
-    (``gap``), P(next request appends) scaled by how soon it comes (``appends``), P(alive)
+    (``gap``), P(next request appends) per unit of time (``appends``), P(alive)
     (``alive``), P(next request edits) (``edit``), the weight of its predicted edit points
     (``edit_weight``, ``valuation.edit_weight``). Reads the planner's sessions and stream
     counters, which the planner owns."""
@@ -83,7 +83,7 @@ class SessionQuantities:
                               session.ended)
 
     def compute(self, sessions: np.ndarray, clock: int) -> None:
-        """``valuation``'s mean_gap, append_probability x mean_gap / next_gap, alive and
+        """``valuation``'s mean_gap, append_probability x stream_mean_gap / next_gap, alive and
         edit_probability of ``sessions`` at ``clock``, from their counters as last read and
         the stream's."""
         stream, stats = self._stream, self._stats[sessions]
@@ -113,6 +113,6 @@ class SessionQuantities:
             self.alive[sessions] = np.where(
                 stats[:, ENDED] > 0.0, 0.0, returning * np.where(idle <= limit, 1.0, (limit / idle) ** 2))
         self.gap[sessions] = gap
-        self.appends[sessions] = appends * gap / next_gap
-        self.edit_weight[sessions] = edit_weight(gap, next_gap, scarcity(stream))
+        self.appends[sessions] = appends * stream_gap / next_gap
+        self.edit_weight[sessions] = edit_weight(stream_gap, next_gap, scarcity(stream))
         self.edit[sessions] = edit

@@ -50,15 +50,15 @@ def own_value(session: Session, record: Record, checkpoint: Optional[CheckpointI
     if shares is None:
         shares = restore_shares(session, [*session.on_path.values(), *planned, depth])
     # An append restores from the end state at the session's next request, which comes
-    # sooner than its mean gap after a tool call (the tool's result is sent back at once) and
-    # later after an answer (a user types the next turn): the sooner, the more requests the
-    # slot serves per unit of time. A predicted edit may come later than the next request (the
-    # one closing a chain of tool calls): how soon counts for it only as far as the pool is
-    # short of slots (``edit_weight``), and with slots to spare it counts over the requests a
-    # checkpoint can wait through (``restore_horizon``).
-    wait = next_gap(session, stream)
-    appends = append_probability(session, stream) * gap / wait
-    probability = shares.probability(depth, appends, restore_horizon(stream), edit_weight(gap, wait, scarcity(stream)))
+    # sooner than the stream's mean gap after a tool call (the tool's result is sent back at
+    # once) and later after an answer (a user types the next turn): the sooner, the more
+    # requests the slot serves per unit of time. A predicted edit may come later than the next
+    # request (the one closing a chain of tool calls): how soon counts for it only as far as
+    # the pool is short of slots (``edit_weight``), and with slots to spare it counts over the
+    # requests a checkpoint can wait through (``restore_horizon``).
+    wait, unit = next_gap(session, stream), stream_mean_gap(stream)
+    appends = append_probability(session, stream) * unit / wait
+    probability = shares.probability(depth, appends, restore_horizon(stream), edit_weight(unit, wait, scarcity(stream)))
     if purpose is Purpose.HINT:
         # The client says an edit will land here: trust it as much as the session's edits.
         probability = max(probability, edit_probability(session, stream))
@@ -217,14 +217,17 @@ def within_horizon(probability, horizon):
     return probability * horizon / (1.0 + probability * (horizon - 1.0))
 
 
-def edit_weight(gap, next_gap, scarcity):
+def edit_weight(stream_gap, next_gap, scarcity):
     """What a predicted edit point's probability counts for in a checkpoint's value. With a
     slot for every active session, all of it: the checkpoint is worth its restores however long
-    it waits for them. With fewer, a slot held for a session that comes back late (a user
-    typing the next turn: ``next_gap`` over its mean ``gap``) is one the sessions coming back
-    sooner lack: its worth per unit of time is ``gap / next_gap`` of what it saves, and the
-    value moves toward that rate as the pool's ``scarcity`` grows. Scalars or arrays alike."""
-    return 1.0 - scarcity * (1.0 - np.minimum(gap / next_gap, 1.0))
+    it waits for them. With fewer, a slot is worth what it saves per unit of time, the
+    stream's mean gap (``stream_gap``): a slot held for a session that comes back late (a user
+    typing the next turn, ``next_gap`` requests away) is one the sessions coming back sooner
+    (running tool calls) lack, and a slot held for one of those serves more restores in the
+    same time. Its worth per unit of time is ``stream_gap / next_gap`` of what it saves, and
+    the value moves toward that rate as the pool's ``scarcity`` grows. Scalars or arrays
+    alike."""
+    return 1.0 - scarcity * (1.0 - stream_gap / next_gap)
 
 
 def toward(total, count, prior, weight):
