@@ -53,12 +53,11 @@ def propose(ctx: RequestContext, predictions: Mapping[int, float], own_prefix: i
         for depth in ctx.anchors.of_kind(AnchorKind.MESSAGE_START).tolist():
             propose_one(int(depth), Purpose.HINT)
     propose_one(prompt_len - 1, Purpose.PROMPT_TAIL)
+    # A predicted point in the output lies past the prompt, covered by the generation-end
+    # state; one at the prompt tail is proposed already; the prompt end (where a re-rendered
+    # output makes the next prompt leave this one) is a point of its own.
     for depth in sorted(predictions):
-        # A predicted point in the output is covered by the generation-end state; the
-        # prompt end (where a re-rendered output makes the next prompt leave this one) is
-        # a point of its own.
-        if depth != prompt_len - 1:
-            propose_one(depth, Purpose.PREDICTED_EDIT)
+        propose_one(depth, Purpose.PREDICTED_EDIT)
     branch = branch_depth(ctx, own_prefix)
     if branch is not None and branch not in candidates:
         propose_one(branch, Purpose.BRANCH)
