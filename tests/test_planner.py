@@ -23,11 +23,12 @@ from sglang_hybrid.planning.addresses import (
     ANY_ROLE, FROM_END, IN_MESSAGE_FROM_END, PROMPT_TAIL, AnchorIndex, Prefill,
 )
 from sglang_hybrid.planning.edit_model import EditModel
+from sglang_hybrid.planning.ends import closing_of
 from sglang_hybrid.planning.anchor_planning import AnchorPlanning
 from sglang_hybrid.planning.planner import CheckpointPlanner
 from sglang_hybrid.planning import planner as planner_module
 from sglang_hybrid.planning.state import (
-    CLOSING_TOKENS, FORGET_AFTER_GAPS, SHARED_PURPOSES, ClosingCounts, Purpose, RequestContext,
+    FORGET_AFTER_GAPS, SHARED_PURPOSES, ClosingCounts, Purpose, RequestContext,
 )
 from sglang_hybrid.planning.valuation import (
     alive, append_probability, checkpoint_value, followed_value, mean_gap, next_gap, patience, pool_share,
@@ -122,7 +123,7 @@ class PrefixStore:
         for checkpoint in plan.checkpoints:
             self._take(session, sequence, checkpoint.depth, checkpoint.purpose)
         self.planner.request_finished(session, sequence, DETECTOR.detect(prompt, kept), DETECTOR.output_ending(kept),
-                                      tuple(kept[-CLOSING_TOKENS:].tolist()) or None)
+                                      closing_of(kept))
         self._take(session, sequence, len(sequence), Purpose.CONTINUATION)
         self.sequences.append(sequence)
         return plan, restored

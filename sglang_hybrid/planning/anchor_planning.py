@@ -28,7 +28,8 @@ import numpy as np
 from sglang_hybrid.anchors.detector import AnchorDetector, AnchorKind, Anchors
 from sglang_hybrid.anchors.hints import HintMode
 from sglang_hybrid.planning.planner import CheckpointPlanner
-from sglang_hybrid.planning.state import CLOSING_TOKENS, Purpose, RequestContext
+from sglang_hybrid.planning.ends import closing_of
+from sglang_hybrid.planning.state import Purpose, RequestContext
 from sglang_hybrid.cache.planning import CheckpointId, RequestToPlan
 from sglang_hybrid.kernels import MIN_CAPTURE_SPACING
 
@@ -137,8 +138,8 @@ class AnchorPlanning:
                 anchors = self.detector.detect_continuation(planned, cached[:prompt_len], output)
             else:
                 anchors = self.detector.detect(cached[:prompt_len], output)
-            closing = tuple(output[-CLOSING_TOKENS:].tolist()) or None
-            self.planner.request_finished(session, cached, anchors, self.detector.output_ending(output), closing)
+            self.planner.request_finished(session, cached, anchors, self.detector.output_ending(output),
+                                          closing_of(output))
             if end is not None:
                 self.planner.record_checkpoint(end, session, len(cached), Purpose.CONTINUATION)
         self.planner.forget(free)

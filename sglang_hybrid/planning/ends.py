@@ -4,10 +4,17 @@
 from __future__ import annotations
 
 import heapq
-from typing import Mapping
+from typing import Mapping, Optional
 
-from sglang_hybrid.planning.state import ENDED_AFTER_GAPS, Session, StreamStats
+import numpy as np
+
+from sglang_hybrid.planning.state import CLOSING_TOKENS, ENDED_AFTER_GAPS, Session, StreamStats
 from sglang_hybrid.planning.valuation import mean_gap
+
+
+def closing_of(output: np.ndarray) -> Optional[tuple[int, ...]]:
+    """An output's closing: its last ``CLOSING_TOKENS`` tokens, None if it has none."""
+    return tuple(output[-CLOSING_TOKENS:].tolist()) or None
 
 
 class SessionEnds:
