@@ -48,6 +48,7 @@ from sglang_hybrid.planning.state import (
 from sglang_hybrid.planning.valuation import (
     checkpoint_value, edit_probability, followed_value, mean_gap, shared_prior, shared_value,
 )
+from sglang_hybrid.tokens import common_prefix_length
 
 
 class CheckpointPlanner:
@@ -144,12 +145,7 @@ class CheckpointPlanner:
         """Learn from how this prompt continues the session's previous request; return the
         length of their common prefix."""
         previous = session.sequence
-        n = min(previous.shape[0], prompt.shape[0])
-        # The first difference alone: after an early edit every later token differs, and
-        # listing them all costs a buffer the size of the prompt.
-        differs = previous[:n] != prompt[:n]
-        first = int(differs.argmax()) if n else 0
-        common = first if n and differs[first] else n
+        common = common_prefix_length(previous, prompt)
         session.transitions += 1
         self.stream.transitions += 1
         ending, session.ending = session.ending, None  # this request's output is not known yet

@@ -24,16 +24,11 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ...anchors.special_tokens import QWEN3_ROLE_IDS, QWEN3_SPECIAL_IDS
+from ...tokens import common_prefix_length
 from .base import Policy, ReplayStep, ServeOutcome
 
 # `<|im_start|>user` in the Qwen2/Qwen3 vocabulary: where ChatML user turns start.
 CHATML_USER_TURN = (QWEN3_SPECIAL_IDS["<|im_start|>"], QWEN3_ROLE_IDS["user"])
-
-
-def common_prefix_length(a: np.ndarray, b: np.ndarray) -> int:
-    n = min(len(a), len(b))
-    diff = np.flatnonzero(a[:n] != b[:n])
-    return int(diff[0]) if diff.size else n
 
 
 @dataclass
