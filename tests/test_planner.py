@@ -17,7 +17,7 @@ from typing import Optional
 
 import numpy as np
 import pytest
-from sglang_hybrid.anchors.detector import AnchorDetector, AnchorKind, Role
+from sglang_hybrid.anchors.detector import AnchorDetector, AnchorKind, Anchors, Role
 from sglang_hybrid.anchors.hints import validate_hints
 from sglang_hybrid.planning.addresses import (
     ANY_ROLE, FROM_END, IN_MESSAGE_FROM_END, PROMPT_TAIL, AnchorIndex, Prefill,
@@ -247,6 +247,26 @@ def test_a_repeated_prompt_is_predicted_at_its_tail_and_a_re_rendered_output_at_
     assert (PROMPT_TAIL,) in index.addresses_of(len(prompt) - 1)
     assert index.position_of((PROMPT_TAIL,)) == len(prompt) - 1
     assert (PROMPT_TAIL,) not in index.addresses_of(len(prompt))
+
+
+def test_an_anchor_index_groups_positions_by_kind_and_role_in_order():
+    """The index's groups, found with one sort, are each (kind, role) pair's positions in
+    order, as a mask per pair selects them; its unique positions are numpy's."""
+    rng = np.random.default_rng(5)
+    for _ in range(200):
+        count = int(rng.integers(1, 60))
+        positions = np.sort(rng.integers(0, 40, count)).astype(np.int64)
+        kinds = rng.integers(0, len(AnchorKind), count).astype(np.int8)
+        roles = rng.integers(0, len(Role), count).astype(np.int8)
+        anchors = Anchors(positions, kinds, roles)
+        index = AnchorIndex(anchors, 40)
+        pairs = sorted(set(zip(kinds.tolist(), roles.tolist())))
+        expected = {pair: positions[(kinds == pair[0]) & (roles == pair[1])] for pair in pairs}
+        expected[(int(AnchorKind.MESSAGE_START), ANY_ROLE)] = anchors.of_kind(AnchorKind.MESSAGE_START)
+        assert index.by_key.keys() == expected.keys()
+        for pair, group in expected.items():
+            np.testing.assert_array_equal(index.by_key[pair], group)
+        np.testing.assert_array_equal(index.unique, np.unique(positions))
 
 
 def test_sessions_sharing_a_system_prompt_restore_at_the_message_start():
