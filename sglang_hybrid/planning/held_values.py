@@ -10,8 +10,8 @@ Here a session's checkpoints share its few per-request quantities (its mean gap,
 probability, liveness), computed for all sessions at once from their counters (copied when a
 session changes) and the stream's (``SessionQuantities``); what an own checkpoint's depth is
 worth to its session's restore points is kept in its row until the session changes; the rest
-is arithmetic over arrays, in the order of operations of the scalar functions, so the values
-are the same floats.
+is ``valuation``'s functions compiled (``numba``) over the rows, so the values are the same
+floats as the scalar functions give.
 
 The row of a checkpoint is fixed by where it is (device slot s: row 2s, host slot s: row
 2s + 1), so the device values by slot are every other row. Reads the planner's records,
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from typing import Mapping, Optional
 
+import numba
 import numpy as np
 
 from sglang_hybrid.cache.planning import CheckpointId, Tier
@@ -38,10 +39,31 @@ SESSION, SHARED, BRANCH, HINT, CREATED, USES, SPAN = range(7)
 # points but the end), serves the end of the latest sequence, tokens it saves (at least 1).
 ON_PATH, PREDICTED, SERVES_END, SAVED = range(7, 11)
 COLUMNS = 11
-# Up to this many rows are valued one by one (``_evaluate_each``): the few a change between
-# clock ticks leaves (a finished request's checkpoints, a victim's session) cost ~2 us each
-# that way, where the ~35 array operations of a bulk evaluation cost ~40 us at any size.
-FEW_ROWS = 12
+
+
+@numba.njit("void(f8[:, :], i8[:], f8[:], f8[:], f8[:], f8[:], f8[:], i8, f8, f8, f8, f8[:])", cache=True)
+def _value_rows(table, rows, gap, edit_weight, appends, edit, alive, clock, horizon, path_prior, branch_prior,
+                values):
+    """``valuation.checkpoint_value`` of the checkpoints in ``rows`` of ``table`` into
+    ``values``, from their sessions' quantities (``SessionQuantities``), but what a leader's
+    followers restore. Compiled, with valuation's formulas as written (the same operations in
+    the same order, so the same floats: without fastmath numba fuses no multiply and add):
+    numpy's ~35 array operations cost ~40 us at any size, a Python loop ~2 us a row, this
+    ~10 us for a thousand rows."""
+    for row in rows:
+        session = int(table[row, SESSION])
+        if table[row, SHARED] > 0.0:
+            prior = branch_prior if table[row, BRANCH] > 0.0 else path_prior
+            values[row] = shared_value(table[row, SPAN], table[row, USES], clock - table[row, CREATED], prior,
+                                       gap[session])
+            continue
+        # Own: P(the session's next request restores from it) x P(alive) x tokens saved.
+        probability = (within_horizon(table[row, PREDICTED], horizon) * edit_weight[session]
+                       + table[row, SERVES_END] * appends[session])
+        if table[row, HINT] > 0.0:
+            probability = max(probability, edit[session])
+        kept = table[row, ON_PATH] > 0.0 and probability > 0.0
+        values[row] = probability * alive[session] * table[row, SAVED] if kept else 0.0
 
 
 def _row(checkpoint: CheckpointId) -> int:
@@ -205,55 +227,20 @@ class HeldValues:
         self._evaluate(rows, sessions)
 
     def _evaluate(self, rows: np.ndarray, sessions: list[int]) -> None:
-        if rows.shape[0] <= FEW_ROWS:
-            self._evaluate_each(rows.tolist())
-            return
-        table = self._table[rows]
-        session = table[:, SESSION].astype(np.int64)
-        gap = self._quantities.gap[session]
-        prior = np.where(table[:, BRANCH] > 0.0, shared_prior(Purpose.BRANCH, self._stream),
-                         shared_prior(Purpose.SHARED_PATH, self._stream))
-        shared = shared_value(table[:, SPAN], table[:, USES], self._clock - table[:, CREATED], prior, gap)
-        # Own: P(the session's next request restores from it) x P(alive) x tokens saved.
-        predicted = within_horizon(table[:, PREDICTED], restore_horizon(self._stream))
-        probability = predicted * self._quantities.edit_weight[session] + table[:, SERVES_END] * self._quantities.appends[session]
-        probability = np.where(table[:, HINT] > 0.0, np.maximum(probability, self._quantities.edit[session]), probability)
-        kept = (table[:, ON_PATH] > 0.0) & (probability > 0.0)
-        own = np.where(kept, probability * self._quantities.alive[session] * table[:, SAVED], 0.0)
-        self._values[rows] = np.where(table[:, SHARED] > 0.0, shared, own)
+        stream, quantities = self._stream, self._quantities
+        _value_rows(self._table, rows, quantities.gap, quantities.edit_weight, quantities.appends, quantities.edit,
+                    quantities.alive, self._clock, restore_horizon(stream), shared_prior(Purpose.SHARED_PATH, stream),
+                    shared_prior(Purpose.BRANCH, stream), self._values)
         # Plus, for a leader's shared-path checkpoints, what its followers will restore.
-        leaders = [index for index in sessions if self._quantities.session(index).followers]
+        leaders = [index for index in sessions if quantities.session(index).followers]
         if leaders:
-            following = (table[:, SHARED] > 0.0) & (table[:, BRANCH] == 0.0) & np.isin(session, leaders)
+            table = self._table[rows]
+            following = ((table[:, SHARED] > 0.0) & (table[:, BRANCH] == 0.0)
+                         & np.isin(table[:, SESSION].astype(np.int64), leaders))
             for row in rows[following].tolist():
                 record = self._records[self._checkpoints[row]]
                 owner = self._sessions[record.session]
-                self._values[row] += followed_value(owner, record, self._sessions, self._stream)
-
-    def _evaluate_each(self, rows: list[int]) -> None:
-        """``_evaluate`` row by row in Python floats: the same operations in the same order,
-        so the same values."""
-        stream, clock = self._stream, self._clock
-        horizon = restore_horizon(stream)
-        priors = (shared_prior(Purpose.SHARED_PATH, stream), shared_prior(Purpose.BRANCH, stream))
-        for row in rows:
-            session, shared, branch, hint, created, uses, span, on_path, predicted, serves_end, saved = (
-                self._table[row].tolist())
-            index = int(session)
-            if shared > 0.0:
-                value = shared_value(span, uses, clock - created, priors[branch > 0.0], self._quantities.gap.item(index))
-                owner = self._quantities.session(index)
-                if branch == 0.0 and owner.followers:
-                    record = self._records[self._checkpoints[row]]
-                    value += followed_value(owner, record, self._sessions, stream)
-            else:
-                probability = (within_horizon(predicted, horizon) * self._quantities.edit_weight.item(index)
-                               + serves_end * self._quantities.appends.item(index))
-                if hint > 0.0:
-                    probability = max(probability, self._quantities.edit.item(index))
-                kept = on_path > 0.0 and probability > 0.0
-                value = probability * self._quantities.alive.item(index) * saved if kept else 0.0
-            self._values[row] = value
+                self._values[row] += followed_value(owner, record, self._sessions, stream)
 
     # ---- reading the planner's sessions ----
 

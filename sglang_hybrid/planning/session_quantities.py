@@ -1,11 +1,12 @@
 """The per-session quantities every held checkpoint's value reads (``HeldValues``), for all
-sessions at once: ``valuation``'s own arithmetic applied to arrays indexed by session, in the
-order of operations of the scalar functions, so the values are the same floats."""
+sessions at once: ``valuation``'s own functions compiled (``numba``) over arrays indexed by
+session, so the values are the same floats as the scalar functions give."""
 
 from __future__ import annotations
 
 from typing import Mapping, Optional
 
+import numba
 import numpy as np
 
 from sglang_hybrid.planning.state import PRIOR_GAPS, Session, StreamStats
@@ -86,33 +87,51 @@ class SessionQuantities:
         """``valuation``'s mean_gap, append_probability x stream_mean_gap / next_gap, alive and
         edit_probability of ``sessions`` at ``clock``, from their counters as last read and
         the stream's."""
-        stream, stats = self._stream, self._stats[sessions]
-        stream_gap = stream_mean_gap(stream)
-        gap = toward(stats[:, GAP_TOTAL], stats[:, TRANSITIONS], stream_gap, PRIOR_GAPS)
-        edit = edit_rate(stats[:, EDITS], stats[:, TRANSITIONS], stream.edits, stream.transitions)
-        # After a known ending: the session's gaps and edits after such endings, the stream's
-        # after it (its gaps drawn toward its mean gap) as the prior. Index -1: none known.
-        after = np.zeros((3, len(self._endings) + 1))
+        stream = self._stream
+        # The stream's gaps, transitions and edits after each known ending.
+        after = np.zeros((3, len(self._endings)))
         for ending, index in self._endings.items():
             after[:, index] = (stream.gaps_after[ending], stream.transitions_after[ending], stream.edits_after[ending])
-        ending = stats[:, ENDING].astype(np.int64)
-        stream_gaps, stream_transitions, stream_edits = after[:, ending]
-        known = ending >= 0
-        gap_prior = toward(stream_gaps, stream_transitions, stream_gap, PRIOR_GAPS)
-        next_gap = np.where(known, toward(stats[:, GAPS_AFTER], stats[:, TRANSITIONS_AFTER], gap_prior, PRIOR_GAPS), gap)
-        appends = 1.0 - np.where(
-            known, edit_rate(stats[:, EDITS_AFTER], stats[:, TRANSITIONS_AFTER], stream_edits, stream_transitions), edit)
         # The sessions share a handful of closings ("!", "?", a tool call's close): each
         # one's rate once, by the scalar function.
         closings = [self.session(index).closing for index in sessions.tolist()]
         rates = {closing: closing_return_rate(closing, stream) for closing in set(closings)}
-        returning = np.array([rates[closing] for closing in closings])
-        idle = clock - stats[:, LAST_CLOCK]
+        returning = np.array([rates[closing] for closing in closings], dtype=np.float64)
+        _compute(self._stats, sessions, after, returning, clock, stream_mean_gap(stream), float(stream.edits),
+                 float(stream.transitions), scarcity(stream), self.gap, self.appends, self.alive, self.edit,
+                 self.edit_weight)
+
+
+@numba.njit("void(f8[:, :], i8[:], f8[:, :], f8[:], i8, f8, f8, f8, f8, f8[:], f8[:], f8[:], f8[:], f8[:])",
+            cache=True)
+def _compute(stats, sessions, after, returning, clock, stream_gap, stream_edits, stream_transitions, pool_scarcity,
+             gap_out, appends_out, alive_out, edit_out, edit_weight_out):
+    """``SessionQuantities.compute`` of ``sessions`` (``returning``: each one's
+    ``closing_return_rate``). Compiled, with valuation's formulas as written (the same
+    operations in the same order, so the same floats): numpy's ~40 array operations cost
+    ~40 us at any number of sessions."""
+    for i in range(sessions.shape[0]):
+        session = sessions[i]
+        row = stats[session]
+        gap = toward(row[GAP_TOTAL], row[TRANSITIONS], stream_gap, PRIOR_GAPS)
+        edit = edit_rate(row[EDITS], row[TRANSITIONS], stream_edits, stream_transitions)
+        ending = int(row[ENDING])
+        if ending >= 0:
+            # After a known ending: the session's gaps and edits after such endings, the
+            # stream's after it (its gaps drawn toward its mean gap) as the prior.
+            gap_prior = toward(after[0, ending], after[1, ending], stream_gap, PRIOR_GAPS)
+            next_gap = toward(row[GAPS_AFTER], row[TRANSITIONS_AFTER], gap_prior, PRIOR_GAPS)
+            appends = 1.0 - edit_rate(row[EDITS_AFTER], row[TRANSITIONS_AFTER], after[2, ending], after[1, ending])
+        else:
+            next_gap = gap
+            appends = 1.0 - edit
+        idle = clock - row[LAST_CLOCK]
         limit = patience(gap, next_gap)
-        with np.errstate(divide="ignore", invalid="ignore"):
-            self.alive[sessions] = np.where(
-                stats[:, ENDED] > 0.0, 0.0, returning * np.where(idle <= limit, 1.0, (limit / idle) ** 2))
-        self.gap[sessions] = gap
-        self.appends[sessions] = appends * stream_gap / next_gap
-        self.edit_weight[sessions] = edit_weight(stream_gap, next_gap, scarcity(stream))
-        self.edit[sessions] = edit
+        if row[ENDED] > 0.0:
+            alive_out[session] = 0.0
+        else:
+            alive_out[session] = returning[i] * (1.0 if idle <= limit else (limit / idle) ** 2)
+        gap_out[session] = gap
+        appends_out[session] = appends * stream_gap / next_gap
+        edit_weight_out[session] = edit_weight(stream_gap, next_gap, pool_scarcity)
+        edit_out[session] = edit

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Iterable, Mapping, Optional, Sequence
 
 import numpy as np
+from numba.extending import register_jitable
 
 from sglang_hybrid.cache.planning import CheckpointId
 from sglang_hybrid.planning.state import (
@@ -79,6 +80,7 @@ def shared_prior(purpose: Purpose, stream: StreamStats) -> float:
     return (stream.shared_followed + 1) / (stream.shared_proposed + 2)
 
 
+@register_jitable
 def shared_value(span, uses, age, prior, gap):
     """What a checkpoint serving other sessions saves in one of its owner's gaps: its span per
     use, at the rate it was used (``uses`` in the ``age`` requests since it was taken, ``prior``
@@ -161,6 +163,7 @@ def append_probability(session: Session, stream: StreamStats) -> float:
                             stream.edits_after[ending], stream.transitions_after[ending])
 
 
+@register_jitable
 def edit_rate(edits, transitions, stream_edits, stream_transitions):
     """A session's edits per transition, the stream's (Laplace-smoothed) weighing as
     ``PRIOR_EDITS`` of them. Scalars or arrays alike (``HeldValues``, every session at once)."""
@@ -207,6 +210,7 @@ def restore_horizon(stream: StreamStats) -> float:
     return max(1.0, pool_share(stream))
 
 
+@register_jitable
 def within_horizon(probability, horizon):
     """P(a point predicted at ``probability`` per request is restored within ``horizon``
     requests): ``1 - (1 - p)^h`` for small ``p`` and exact at ``p`` = 0 or 1 and ``h`` = 1,
@@ -217,6 +221,7 @@ def within_horizon(probability, horizon):
     return probability * horizon / (1.0 + probability * (horizon - 1.0))
 
 
+@register_jitable
 def edit_weight(stream_gap, next_gap, scarcity):
     """What a predicted edit point's probability counts for in a checkpoint's value. With a
     slot for every active session, all of it: the checkpoint is worth its restores however long
@@ -230,6 +235,7 @@ def edit_weight(stream_gap, next_gap, scarcity):
     return 1.0 - scarcity * (1.0 - stream_gap / next_gap)
 
 
+@register_jitable
 def toward(total, count, prior, weight):
     """The mean of ``count`` observations summing to ``total``, with ``weight`` more at
     ``prior``: the prior rules until observations outnumber its weight. Scalars or arrays."""
@@ -272,6 +278,7 @@ def closing_return_rate(closing: Optional[tuple[int, ...]], stream: StreamStats)
     return rate
 
 
+@register_jitable
 def patience(gap, next_gap):
     """The requests of any session a session may stay silent before it looks ended: twice
     the sooner of its mean ``gap`` and its ``next_gap``, the gap expected after its latest
