@@ -1,6 +1,10 @@
 """What a checkpoint is worth: expected recomputed prompt tokens it saves (docs/architecture.md,
 "Planning quantities"). Every function here reads the planner's state and returns a number;
 none writes any.
+
+The formulas marked ``register_jitable`` are also compiled (numba) into the loops that value
+every held checkpoint at once (``HeldValues``, ``SessionQuantities``): they stay arithmetic on
+their arguments, so that both give the same floats.
 """
 
 from __future__ import annotations
@@ -84,8 +88,8 @@ def shared_prior(purpose: Purpose, stream: StreamStats) -> float:
 def shared_value(span, uses, age, prior, gap):
     """What a checkpoint serving other sessions saves in one of its owner's gaps: its span per
     use, at the rate it was used (``uses`` in the ``age`` requests since it was taken, ``prior``
-    more). Scalars or arrays alike: the held values and a request's candidates are computed in
-    bulk with the same operations."""
+    more). Scalars or arrays alike: a request's candidates are valued in bulk with the same
+    operations."""
     return span * ((uses + prior) / (age + gap)) * gap
 
 
@@ -166,7 +170,7 @@ def append_probability(session: Session, stream: StreamStats) -> float:
 @register_jitable
 def edit_rate(edits, transitions, stream_edits, stream_transitions):
     """A session's edits per transition, the stream's (Laplace-smoothed) weighing as
-    ``PRIOR_EDITS`` of them. Scalars or arrays alike (``HeldValues``, every session at once)."""
+    ``PRIOR_EDITS`` of them."""
     return toward(edits, transitions, (stream_edits + 1) / (stream_transitions + 2), PRIOR_EDITS)
 
 
@@ -214,10 +218,10 @@ def restore_horizon(stream: StreamStats) -> float:
 def within_horizon(probability, horizon):
     """P(a point predicted at ``probability`` per request is restored within ``horizon``
     requests): ``1 - (1 - p)^h`` for small ``p`` and exact at ``p`` = 0 or 1 and ``h`` = 1,
-    as ``p h / (1 + p (h - 1))`` -- arithmetic only, so scalars and arrays give the same floats
-    (Python's and numpy's ``**`` differ in the last bit). A rule that edits one request in
+    as ``p h / (1 + p (h - 1))`` -- arithmetic only, so compiled it gives the same floats
+    (a compiled ``**`` may differ from Python's in the last bit). A rule that edits one request in
     several (a condensation, a rewritten memory block) is worth a slot a session holds for
-    that many requests. Scalars or arrays alike."""
+    that many requests."""
     return probability * horizon / (1.0 + probability * (horizon - 1.0))
 
 
@@ -230,15 +234,14 @@ def edit_weight(stream_gap, next_gap, scarcity):
     typing the next turn, ``next_gap`` requests away) is one the sessions coming back sooner
     (running tool calls) lack, and a slot held for one of those serves more restores in the
     same time. Its worth per unit of time is ``stream_gap / next_gap`` of what it saves, and
-    the value moves toward that rate as the pool's ``scarcity`` grows. Scalars or arrays
-    alike."""
+    the value moves toward that rate as the pool's ``scarcity`` grows."""
     return 1.0 - scarcity * (1.0 - stream_gap / next_gap)
 
 
 @register_jitable
 def toward(total, count, prior, weight):
     """The mean of ``count`` observations summing to ``total``, with ``weight`` more at
-    ``prior``: the prior rules until observations outnumber its weight. Scalars or arrays."""
+    ``prior``: the prior rules until observations outnumber its weight."""
     return (total + weight * prior) / (count + weight)
 
 
@@ -286,5 +289,5 @@ def patience(gap, next_gap):
     much longer after a tool call has stopped (a quarter of the tuning traces' sessions end
     right after one). After an answer a user may take longer than the mean gap, but about
     one answer in eight ends its session, and waiting longer for them holds the slots of
-    those that ended. Scalars or arrays alike."""
+    those that ended."""
     return 2.0 * np.minimum(gap, next_gap)
