@@ -85,7 +85,11 @@ class Anchors:
         return self.positions[self.kinds == kind]
 
     def unique_positions(self) -> np.ndarray:
-        return np.unique(self.positions)
+        positions = self.positions
+        if positions.size == 0:
+            return positions
+        # Sorted already: the unique positions are where the position moves.
+        return positions[np.concatenate([[True], positions[1:] != positions[:-1]])]
 
     def last_at_or_before(self, position: int) -> int | None:
         """The deepest anchor position <= ``position`` (where a restore could start), or None."""

@@ -55,8 +55,7 @@ class AnchorIndex:
     def __init__(self, anchors: Anchors, length: int):
         self.length = length
         positions = anchors.positions
-        # Anchors are sorted by position: the unique ones are where it moves.
-        self.unique = positions[np.concatenate([[True], positions[1:] != positions[:-1]])] if positions.size else positions
+        self.unique = anchors.unique_positions()
         # Grouped by (kind, role) with one stable sort, so each group stays sorted by position:
         # a mask per pair cost twice as much on a 100-message prompt.
         key = anchors.kinds.astype(np.int64) * _ROLES + anchors.roles
