@@ -23,6 +23,7 @@ from sglang.srt.mem_cache.unified_cache.components.base import ComponentType
 from sglang_hybrid.anchors.special_tokens import QWEN3_SPECIAL_IDS
 from sglang_hybrid.cache.planning import CheckpointId
 from sglang_hybrid.planning import planner as planner_module
+from sglang_hybrid.planning.admission import Candidates
 from sglang_hybrid.planning.state import Purpose
 from sglang_hybrid.planning.valuation import checkpoint_value
 from sglang_hybrid.replay.cost_model import DEFAULT_PROFILE, get_profile
@@ -135,11 +136,15 @@ def test_held_values_equal_fresh_valuations_after_every_change(seed, slots, step
         for step, _ in drive(random_sessions(seed, steps), [policy]):
             assert_values_are_fresh(planner)
             # A request's candidates serving other sessions are valued in bulk: the same values.
-            candidates = [(depth, purpose) for depth in range(1, step.prompt_len, 7)
-                          for purpose in (Purpose.SHARED_PATH, Purpose.BRANCH)]
+            pairs = [(depth, purpose) for depth in range(1, step.prompt_len, 7)
+                     for purpose in (Purpose.SHARED_PATH, Purpose.BRANCH)]
             session = step.request.session
+            spans = planner.sessions[session].planned_spans
+            candidates = Candidates([], [depth for depth, _ in pairs], [purpose for _, purpose in pairs],
+                                    [spans.get(depth, depth) for depth, _ in pairs], 0)
             bulk = planner._shared_candidates(session, candidates).values.tolist()
-            assert bulk == [planner._candidate_value(session, depth, purpose, ()) for depth, purpose in candidates]
+            assert bulk == [planner._candidate_value(session, depth, purpose, ()) for depth, purpose in pairs]
             for _ in range(2):
                 policy.cache.evict_checkpoints(1)
                 assert_values_are_fresh(policy.planner)
+

@@ -23,8 +23,12 @@ class SharedCandidates(NamedTuple):
 
 
 class Candidates(NamedTuple):
-    proposed: list[tuple[int, Purpose]]  # (depth, purpose), by depth
-    spans: dict[int, int]  # depth -> span of each serving other sessions
+    own: list[tuple[int, Purpose]]  # the session's own (depth, purpose), by depth
+    # Those serving other sessions: the branch point if any, then new content's message starts
+    # by depth, each with its span.
+    shared_depths: list[int]
+    shared_purposes: list[Purpose]
+    shared_spans: list[int]
     shared_paths: int  # how many of them are shared-path message starts
 
 
@@ -35,33 +39,34 @@ def propose(ctx: RequestContext, predictions: Mapping[int, float], own_prefix: i
     shares with its session's previous request."""
     hint = ctx.hint
     if hint is not None and hint.mode is HintMode.NONE:
-        return Candidates([], {}, 0)
+        return Candidates([], [], [], [], 0)
     prompt_len = int(ctx.prompt_ids.shape[0])
     lowest = ctx.restored_depth
     held = set(int(d) for d in ctx.held_depths)
-    candidates: dict[int, Purpose] = {}
-    spans: dict[int, int] = {}
+    own: dict[int, Purpose] = {}
 
-    def propose_one(depth: int, purpose: Purpose) -> None:
-        if lowest < depth <= prompt_len and depth not in held and depth not in candidates:
-            candidates[depth] = purpose
+    def propose_own(depth: int, purpose: Purpose) -> None:
+        if lowest < depth <= prompt_len and depth not in held and depth not in own:
+            own[depth] = purpose
 
     if hint is not None and hint.mode is HintMode.EXPLICIT:
         for depth in hint.positions.tolist():
-            propose_one(int(depth), Purpose.HINT)
+            propose_own(int(depth), Purpose.HINT)
     if hint is not None and hint.mode is HintMode.MESSAGES:
         for depth in ctx.anchors.of_kind(AnchorKind.MESSAGE_START).tolist():
-            propose_one(int(depth), Purpose.HINT)
-    propose_one(prompt_len - 1, Purpose.PROMPT_TAIL)
+            propose_own(int(depth), Purpose.HINT)
+    propose_own(prompt_len - 1, Purpose.PROMPT_TAIL)
     # A predicted point in the output lies past the prompt, covered by the generation-end
     # state; one at the prompt tail is proposed already; the prompt end (where a re-rendered
     # output makes the next prompt leave this one) is a point of its own.
     for depth in sorted(predictions):
-        propose_one(depth, Purpose.PREDICTED_EDIT)
+        propose_own(depth, Purpose.PREDICTED_EDIT)
+    shared_depths: list[int] = []
+    shared_spans: list[int] = []
     branch = branch_depth(ctx, own_prefix)
-    if branch is not None and branch not in candidates:
-        propose_one(branch, Purpose.BRANCH)
-        spans[branch] = branch - max([lowest, *(d for d in held if d < branch)])
+    if branch is not None and lowest < branch <= prompt_len and branch not in held and branch not in own:
+        shared_depths.append(branch)
+        shared_spans.append(branch - max([lowest, *(d for d in held if d < branch)]))
     # Content this request computes first may be followed by other sessions (trials of one
     # task, forks of a conversation) that leave it somewhere later: a checkpoint at each
     # new message start bounds what such a request recomputes to the message it leaves in.
@@ -71,13 +76,20 @@ def propose(ctx: RequestContext, predictions: Mapping[int, float], own_prefix: i
     starts = ctx.anchors.of_kind(AnchorKind.MESSAGE_START)
     inner = starts[1:-1]
     new = (inner > max(lowest, ctx.tree_lcp)) & (inner < prompt_len - 1)
+    taken = held | own.keys() | set(shared_depths)
+    # Spans as arrays: a new content's message starts come by the hundred.
+    depths = inner[new]
+    spans = (depths - np.maximum(starts[:-2][new], lowest)).tolist()
     shared_paths = 0
-    for previous, depth in zip(starts[:-2][new].tolist(), inner[new].tolist()):
-        if depth not in candidates:
-            propose_one(depth, Purpose.SHARED_PATH)
-            spans[depth] = depth - max(previous, lowest)
+    for depth, span in zip(depths.tolist(), spans):
+        if depth not in taken:
+            taken.add(depth)
+            shared_depths.append(depth)
+            shared_spans.append(span)
             shared_paths += 1
-    return Candidates(sorted(candidates.items()), spans, shared_paths)
+    return Candidates(sorted(own.items()), shared_depths,
+                      [Purpose.BRANCH] * (len(shared_depths) - shared_paths) + [Purpose.SHARED_PATH] * shared_paths,
+                      shared_spans, shared_paths)
 
 
 def branch_depth(ctx: RequestContext, own_prefix: int) -> Optional[int]:

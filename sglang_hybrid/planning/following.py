@@ -113,7 +113,8 @@ def follow(producers: PrefixProducers, name: str, prompt: np.ndarray, anchors: A
     prompt's prefixes."""
     session = sessions[name]
     prompt_len = int(prompt.shape[0])
-    starts = [int(d) for d in anchors.of_kind(AnchorKind.MESSAGE_START).tolist() if 0 < d < prompt_len]
+    starts = anchors.of_kind(AnchorKind.MESSAGE_START)
+    starts = starts[(starts > 0) & (starts < prompt_len)].tolist()
     digests, session.planned_messages = prefix_digests(prompt, [*starts, prompt_len])
     following = producers.leader(name, starts, digests, session.planned_messages)
     if following is not None and following.leader not in sessions:

@@ -36,7 +36,7 @@ import numpy as np
 from sglang_hybrid.anchors.detector import Anchors
 from sglang_hybrid.cache.planning import CheckpointId
 from sglang_hybrid.planning.addresses import AnchorIndex, Prefill
-from sglang_hybrid.planning.admission import SharedCandidates, admit, propose
+from sglang_hybrid.planning.admission import Candidates, SharedCandidates, admit, propose
 from sglang_hybrid.planning.edit_model import EditModel
 from sglang_hybrid.planning.ends import SessionEnds
 from sglang_hybrid.planning.following import PrefixProducers, follow
@@ -132,12 +132,10 @@ class CheckpointPlanner:
         self._held.changed(ctx.session)
 
         candidates = propose(ctx, session.predictions, own_prefix)
-        session.planned_spans = candidates.spans
+        session.planned_spans = dict(zip(candidates.shared_depths, candidates.shared_spans))
         self.stream.shared_proposed += candidates.shared_paths
-        own = [(depth, purpose) for depth, purpose in candidates.proposed if purpose not in SHARED_PURPOSES]
-        shared = self._shared_candidates(ctx.session, [c for c in candidates.proposed if c[1] in SHARED_PURPOSES])
         return CheckpointPlan(admit(
-            own, shared, lambda depth, purpose, planned: self._candidate_value(ctx.session, depth, purpose, planned),
+            candidates.own, self._shared_candidates(ctx.session, candidates), lambda depth, purpose, planned: self._candidate_value(ctx.session, depth, purpose, planned),
             ctx.free_slots, self._held.ascending,
         ))  # fmt: skip
 
@@ -174,19 +172,20 @@ class CheckpointPlanner:
             self.global_model.observe(session.index, restorable, None, session.prefills)
         return common
 
-    def _shared_candidates(self, session: str, candidates: list[tuple[int, Purpose]]) -> SharedCandidates:
+    def _shared_candidates(self, session: str, candidates: Candidates) -> SharedCandidates:
         """The candidates serving other sessions, valued at once (a new content's message
         starts come by the hundred): ``checkpoint_value`` of each as a new record."""
         owner = self.sessions[session]
-        spans = np.array([owner.planned_spans.get(depth, depth) for depth, _ in candidates], dtype=np.float64)
+        depths, purposes = candidates.shared_depths, candidates.shared_purposes
         prior = {purpose: shared_prior(purpose, self.stream) for purpose in SHARED_PURPOSES}
-        priors = np.array([prior[purpose] for _, purpose in candidates])
-        values = shared_value(spans, 0, 0, priors, mean_gap(owner, self.stream))
+        priors = np.array([prior[purpose] for purpose in purposes])
+        values = shared_value(np.array(candidates.shared_spans, dtype=np.float64), 0, 0, priors,
+                              mean_gap(owner, self.stream))
         if owner.followers:
             values = values + np.array([
                 followed_value(owner, self._new_record(session, depth, purpose), self.sessions, self.stream)
-                for depth, purpose in candidates])
-        return SharedCandidates([depth for depth, _ in candidates], [purpose for _, purpose in candidates], values)
+                for depth, purpose in zip(depths, purposes)])
+        return SharedCandidates(depths, purposes, values)
 
     def _candidate_value(self, session: str, depth: int, purpose: Purpose, planned: list[int]) -> float:
         return checkpoint_value(self._new_record(session, depth, purpose), None, self.sessions, self.stream, planned)
