@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from importlib.metadata import entry_points
 
+import numpy as np
 import pytest
 import torch
 
@@ -278,7 +279,7 @@ def test_edit_then_match_on_swe_agent_trace_restores_deepest_checkpoint_before_d
     history: list[tuple[list[int], list[int]]] = []  # (sequence, checkpoint depths) served
     for prompt, output in swe_agent_prompts:
         anchors = []  # every detected anchor, spaced as the planning spaces checkpoints
-        for position in [*detector.detect(prompt).unique_positions(), len(prompt) - 1]:
+        for position in [*np.unique(detector.detect(prompt).positions), len(prompt) - 1]:
             if 0 < position < len(prompt) and (not anchors or position - anchors[-1] >= MIN_CAPTURE_SPACING):
                 anchors.append(int(position))
         expected = 0

@@ -65,8 +65,7 @@ class Anchor:
 class Anchors:
     """Detected anchors as parallel arrays sorted by (position, kind).
 
-    Several kinds may share a position (a system block's end is the next message's start);
-    consumers that only need positions take ``unique_positions()``.
+    Several kinds may share a position (a system block's end is the next message's start).
     """
 
     positions: np.ndarray  # int64
@@ -84,13 +83,6 @@ class Anchors:
 
     def of_kind(self, kind: AnchorKind) -> np.ndarray:
         return self.positions[self.kinds == kind]
-
-    def unique_positions(self) -> np.ndarray:
-        positions = self.positions
-        if positions.size == 0:
-            return positions
-        # Sorted already: the unique positions are where the position moves.
-        return positions[np.concatenate([[True], positions[1:] != positions[:-1]])]
 
     def last_at_or_before(self, position: int) -> int | None:
         """The deepest anchor position <= ``position`` (where a restore could start), or None."""

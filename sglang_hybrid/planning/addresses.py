@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import NamedTuple, Optional
 
+import numba
 import numpy as np
 
 from sglang_hybrid.anchors.detector import AnchorKind, Anchors, Role
@@ -32,7 +33,8 @@ WINDOWED_PARTS = frozenset({int(AnchorKind.TOOL_RESULT_START)})
 # N events (observation masking, a sliding window) moves by messages, whatever their roles.
 ANY_ROLE = -1
 # Role values are below this: (kind, role) pairs are numbered kind * _ROLES + role.
-_ROLES = max(Role) + 1
+_ROLES = int(max(Role)) + 1
+_MESSAGE_START = int(AnchorKind.MESSAGE_START)
 # Messages an agent's request adds to its session's sequence: its output and the next input
 # (a tool result, a user turn).
 MESSAGES_PER_REQUEST = 2
@@ -49,25 +51,50 @@ class Prefill(NamedTuple):
     index: "AnchorIndex"
 
 
+@numba.njit("Tuple((i8[:], i8[:], i8[:], i8[:], i8[:]))(i8[:], i1[:], i1[:])", cache=True)
+def _group(positions, kinds, roles):
+    """Of anchors sorted by position: their distinct positions, the message starts, and the
+    positions grouped by (kind, role), each group by position (``grouped``; group ``g`` of
+    key ``keys[g]`` = kind * _ROLES + role is ``grouped[bounds[g]:bounds[g + 1]]``). Compiled:
+    as array operations, ~15 of them, it cost ~25 us on any prompt."""
+    n = positions.shape[0]
+    unique = np.empty(n, dtype=np.int64)
+    messages = np.empty(n, dtype=np.int64)
+    distinct = starts = 0
+    for i in range(n):
+        if i == 0 or positions[i] != positions[i - 1]:
+            unique[distinct] = positions[i]
+            distinct += 1
+        if kinds[i] == _MESSAGE_START:
+            messages[starts] = positions[i]
+            starts += 1
+    key = kinds.astype(np.int64) * _ROLES + roles
+    order = np.argsort(key, kind="mergesort")  # stable: each group stays by position
+    grouped = positions[order]
+    sorted_keys = key[order]
+    keys = np.empty(n, dtype=np.int64)
+    bounds = np.empty(n + 1, dtype=np.int64)
+    groups = 0
+    for i in range(n):
+        if i == 0 or sorted_keys[i] != sorted_keys[i - 1]:
+            keys[groups] = sorted_keys[i]
+            bounds[groups] = i
+            groups += 1
+    bounds[groups] = n
+    return unique[:distinct], messages[:starts], grouped, keys[:groups], bounds[: groups + 1]
+
+
 class AnchorIndex:
     """Anchor positions of one sequence, grouped the ways addresses look them up."""
 
     def __init__(self, anchors: Anchors, length: int):
         self.length = length
-        positions = anchors.positions
-        self.unique = anchors.unique_positions()
-        # Grouped by (kind, role) with one stable sort, so each group stays sorted by position:
-        # a mask per pair cost twice as much on a 100-message prompt.
-        key = anchors.kinds.astype(np.int64) * _ROLES + anchors.roles
-        order = np.argsort(key, kind="stable")
-        grouped = key[order]
-        bounds = np.flatnonzero(grouped[1:] != grouped[:-1]) + 1
-        firsts = np.concatenate([[0], bounds]) if grouped.size else bounds
+        self.unique, self.messages, grouped, keys, bounds = _group(anchors.positions, anchors.kinds, anchors.roles)
+        bounds = bounds.tolist()
         self.by_key: dict[tuple[int, int], np.ndarray] = {
-            divmod(group_key, _ROLES): group
-            for group_key, group in zip(grouped[firsts].tolist(), np.split(positions[order], bounds))}
+            divmod(key, _ROLES): grouped[start:stop] for key, start, stop in zip(keys.tolist(), bounds, bounds[1:])}
         # Message starts of every role, which message-window addresses count.
-        self.messages = self.by_key[(int(AnchorKind.MESSAGE_START), ANY_ROLE)] = anchors.of_kind(AnchorKind.MESSAGE_START)
+        self.by_key[(int(AnchorKind.MESSAGE_START), ANY_ROLE)] = self.messages
         users = self.by_key.get((int(AnchorKind.MESSAGE_START), int(Role.USER)))
         self.last_user = int(users[-1]) if users is not None and users.size else None
         prompt_ends = self.by_key.get((int(AnchorKind.PROMPT_END), int(Role.NONE)))
