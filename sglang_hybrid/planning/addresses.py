@@ -100,8 +100,11 @@ class AnchorIndex:
         prompt_ends = self.by_key.get((int(AnchorKind.PROMPT_END), int(Role.NONE)))
         self.prompt_tail = int(prompt_ends[-1]) - 1 if prompt_ends is not None and prompt_ends.size else None
         self._anchors = anchors
+        # Position -> its addresses: an edit point's are read by the session's edit model and
+        # by the stream's.
+        self._addresses: dict[int, tuple[Address, ...]] = {}
 
-    def addresses_of(self, position: int) -> list[Address]:
+    def addresses_of(self, position: int) -> tuple[Address, ...]:
         """Every address naming ``position`` itself (an edit inside a message has no anchor of
         its own) or the deepest anchor at or before it.
 
@@ -109,6 +112,12 @@ class AnchorIndex:
         text between the two (a message header) is the same in every message, but where the
         content first differs is not, and a checkpoint one token too deep is unusable.
         """
+        addresses = self._addresses.get(position)
+        if addresses is None:
+            addresses = self._addresses[position] = tuple(self._name(position))
+        return addresses
+
+    def _name(self, position: int) -> list[Address]:
         addresses: list[Address] = [(ABSOLUTE, position)]
         if position == self.prompt_tail:
             addresses.append((PROMPT_TAIL,))
