@@ -135,7 +135,8 @@ class CheckpointPlanner:
         session.planned_spans = dict(zip(candidates.shared_depths, candidates.shared_spans))
         self.stream.shared_proposed += candidates.shared_paths
         return CheckpointPlan(admit(
-            candidates.own, self._shared_candidates(ctx.session, candidates), lambda depth, purpose, planned: self._candidate_value(ctx.session, depth, purpose, planned),
+            candidates.own, self._shared_candidates(ctx.session, candidates),
+            lambda depth, purpose, planned: self._candidate_value(ctx.session, depth, purpose, planned),
             ctx.free_slots, self._held.ascending,
         ))  # fmt: skip
 
