@@ -162,10 +162,12 @@ def admit(
                 # checkpoint: none can, but a hint.
                 if all(purpose is not Purpose.HINT for _, purpose in own):
                     break
+                order = _without_shared_paths(order, shared, purpose)
                 continue
             # A new content's message starts come by the dozen per request, each worth a
             # fraction of a token: one displacing another must also pay for its capture.
             if purpose is Purpose.SHARED_PATH and value <= held[displaced] + CAPTURE_COST_TOKENS:
+                order = _without_shared_paths(order, shared, purpose)
                 continue
             displaced += 1
         admitted.append(PlannedCheckpoint(depth, purpose, value))
@@ -173,3 +175,13 @@ def admit(
         if purpose not in SHARED_PURPOSES:
             own_valued = []  # the own candidates left are valued again beside it
     return tuple(sorted(admitted, key=lambda c: c.depth))
+
+
+def _without_shared_paths(order: list[int], shared: SharedCandidates, failed: Purpose) -> list[int]:
+    """``order`` without its shared-path candidates once one has failed to displace a held
+    checkpoint: those left are worth no more and the bar only rises (each admission displaces
+    the lowest held value), so each would fail in turn and change nothing. A new content's
+    ~100 message starts are dropped at once instead of one by one."""
+    if failed is not Purpose.SHARED_PATH:
+        return order
+    return [index for index in order if shared.purposes[index] is not Purpose.SHARED_PATH]
