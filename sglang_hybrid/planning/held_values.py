@@ -30,7 +30,7 @@ from sglang_hybrid.cache.planning import CheckpointId, Tier
 from sglang_hybrid.planning.session_quantities import SessionQuantities
 from sglang_hybrid.planning.state import SHARED_PURPOSES, Purpose, Record, Session, StreamStats
 from sglang_hybrid.planning.valuation import (
-    followed_value, restore_horizon, shared_prior, shared_value, within_horizon,
+    followed_value, restore_horizon, restore_probability, serving_shares, shared_prior, shared_value, tokens_saved,
 )
 
 # The table's columns (those written together adjacent: a slice costs a tenth of a list index).
@@ -59,8 +59,8 @@ def _value_rows(table, rows, gap, edit_weight, appends, edit, alive, clock, hori
                                        gap[session])
             continue
         # Own: P(the session's next request restores from it) x P(alive) x tokens saved.
-        probability = (within_horizon(table[row, PREDICTED], horizon) * edit_weight[session]
-                       + table[row, SERVES_END] * appends[session])
+        probability = restore_probability(table[row, PREDICTED], table[row, SERVES_END] > 0.0, appends[session],
+                                          horizon, edit_weight[session])
         if table[row, HINT] > 0.0:
             probability = max(probability, edit[session])
         kept = table[row, ON_PATH] > 0.0 and probability > 0.0
@@ -72,24 +72,18 @@ def _read_restore_shares(table, rows, on_path, ordered, points, probabilities, s
     """``valuation.restore_shares`` of a session's path into the ON_PATH..SAVED columns of its
     own checkpoints' ``rows`` (``on_path``: whether each one is on the path). ``ordered``: the
     distinct depths of its checkpoints on the path, ascending; ``points``, ``probabilities``:
-    its predicted edit points in the session's order, summed in that order, so the same floats.
-    Compiled: in Python it cost ~2 us a checkpoint, every time its session changes."""
-    shares = np.zeros(ordered.shape[0])
-    for k in range(points.shape[0]):
-        index = np.searchsorted(ordered, points[k], side="right") - 1
-        if index >= 0:
-            shares[index] += probabilities[k]
-    end = np.searchsorted(ordered, sequence_length, side="right") - 1
+    its predicted edit points in the session's order. Compiled: in Python it cost ~2 us a
+    checkpoint, every time its session changes."""
+    shares, end = serving_shares(ordered, points, probabilities, sequence_length)
     for k in range(rows.shape[0]):
         row = rows[k]
         depth = int(table[row, DEPTH])
         at = np.searchsorted(ordered, depth, side="left")
         held_here = at < ordered.shape[0] and ordered[at] == depth
-        below = ordered[at - 1] if at > 0 else 0
         table[row, ON_PATH] = 1.0 if on_path[k] else 0.0
         table[row, PREDICTED] = shares[at] if held_here else 0.0
         table[row, SERVES_END] = 1.0 if end >= 0 and ordered[end] == depth else 0.0
-        table[row, SAVED] = max(depth - max(base_depth, below), 1)
+        table[row, SAVED] = tokens_saved(depth, base_depth, ordered[at - 1] if at > 0 else 0)
 
 
 def _row(checkpoint: CheckpointId) -> int:

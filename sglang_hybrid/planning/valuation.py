@@ -4,15 +4,17 @@ none writes any.
 
 The formulas marked ``register_jitable`` are also compiled (numba) into the loops that value
 every held checkpoint at once (``HeldValues``, ``SessionQuantities``): they stay arithmetic on
-their arguments, so that both give the same floats.
+their arguments, so that both give the same floats. ``serving_shares`` is compiled here, and
+called by both.
 """
 
 from __future__ import annotations
 
-from bisect import bisect_left, bisect_right
+from bisect import bisect_left
 from dataclasses import dataclass
 from typing import Iterable, Mapping, Optional, Sequence
 
+import numba
 import numpy as np
 from numba.extending import register_jitable
 
@@ -24,19 +26,18 @@ from sglang_hybrid.planning.state import (
 
 def checkpoint_value(
     record: Record, checkpoint: Optional[CheckpointId], sessions: Mapping[str, Session], stream: StreamStats,
-    planned: Sequence[int] = (), shares: Optional["RestoreShares"] = None,
+    planned: Sequence[int] = (),
 ) -> float:
     """Expected recomputed tokens saved by ``record``'s checkpoint: held in ``checkpoint``, or a
     candidate when ``checkpoint`` is None, beside the session's checkpoints at depths
-    ``planned`` (already admitted for the same request). ``shares``: the session's
-    ``restore_shares`` over those depths, when the caller keeps them."""
+    ``planned`` (already admitted for the same request)."""
     session = sessions[record.session]
-    return (own_value(session, record, checkpoint, stream, planned, shares)
+    return (own_value(session, record, checkpoint, stream, planned)
             + followed_value(session, record, sessions, stream))
 
 
 def own_value(session: Session, record: Record, checkpoint: Optional[CheckpointId], stream: StreamStats,
-              planned: Sequence[int] = (), shares: Optional["RestoreShares"] = None) -> float:
+              planned: Sequence[int] = ()) -> float:
     """What the checkpoint saves the requests it was taken for: its session's next ones,
     or for a shared one, any session's."""
     depth, purpose, created = record.depth, record.purpose, record.created
@@ -52,8 +53,7 @@ def own_value(session: Session, record: Record, checkpoint: Optional[CheckpointI
         return shared_value(record.span, record.uses, stream.clock - created, shared_prior(purpose, stream), gap)
     if checkpoint is not None and checkpoint not in session.on_path:
         return 0.0
-    if shares is None:
-        shares = restore_shares(session, [*session.on_path.values(), *planned, depth])
+    shares = restore_shares(session, [*session.on_path.values(), *planned, depth])
     # An append restores from the end state at the session's next request, which comes
     # sooner than the stream's mean gap after a tool call (the tool's result is sent back at
     # once) and later after an answer (a user types the next turn): the sooner, the more
@@ -69,10 +69,8 @@ def own_value(session: Session, record: Record, checkpoint: Optional[CheckpointI
         probability = max(probability, edit_probability(session, stream))
     if probability <= 0.0:
         return 0.0
-    # Without it, a request restoring here falls back to the session's next shallower
-    # checkpoint: it saves only the tokens in between.
-    saved = depth - max(session.base_depth, shares.below(depth))
-    return probability * alive(session, patience(gap, wait), stream) * max(saved, 1)
+    return probability * alive(session, patience(gap, wait), stream) * tokens_saved(depth, session.base_depth,
+                                                                                      shares.below(depth))
 
 
 def shared_prior(purpose: Purpose, stream: StreamStats) -> float:
@@ -112,21 +110,19 @@ def followed_value(session: Session, record: Record, sessions: Mapping[str, Sess
 
 @dataclass(frozen=True)
 class RestoreShares:
-    """How a session's checkpoint depths divide its next restore points -- the predicted
-    edit points, and the end of its latest sequence for a request that only appends --
-    each point going to the deepest depth at or before it. A function of the depths, the
-    predictions and the sequence alone, so a caller may keep it until one of them changes."""
+    """How a session's checkpoint depths divide its next restore points (``serving_shares``).
+    A function of the depths, the predictions and the sequence alone, so a caller may keep it
+    until one of them changes."""
 
     predicted: dict[int, float]  # depth -> P of the predicted edit points it serves
     end: Optional[int]  # the depth serving the end, if any
     depths: tuple[int, ...]  # the distinct depths, ascending
 
     def probability(self, depth: int, append_probability: float, horizon: float, edit_weight: float) -> float:
-        """P(the session's next request restores from a checkpoint at ``depth``), its
-        predicted edit points counted over ``horizon`` requests (``within_horizon``) and
-        weighed by ``edit_weight``."""
-        appends = append_probability if depth == self.end else 0.0
-        return within_horizon(self.predicted.get(depth, 0.0), horizon) * edit_weight + appends
+        """P(the session's next request restores from a checkpoint at ``depth``)
+        (``restore_probability``)."""
+        return restore_probability(self.predicted.get(depth, 0.0), depth == self.end, append_probability, horizon,
+                                   edit_weight)
 
     def below(self, depth: int) -> int:
         """The deepest depth shallower than ``depth`` (0 if none)."""
@@ -135,14 +131,45 @@ class RestoreShares:
 
 
 def restore_shares(session: Session, depths: Iterable[int]) -> RestoreShares:
-    ordered = tuple(sorted(set(depths)))
-    predicted: dict[int, float] = {}
-    for point, probability in session.predictions.items():
-        index = bisect_right(ordered, point) - 1
+    ordered = np.array(sorted(set(depths)), dtype=np.int64)
+    predictions = session.predictions
+    shares, end = serving_shares(
+        ordered, np.fromiter(predictions, dtype=np.int64, count=len(predictions)),
+        np.fromiter(predictions.values(), dtype=np.float64, count=len(predictions)), int(session.sequence.shape[0]))
+    distinct = tuple(ordered.tolist())
+    return RestoreShares(dict(zip(distinct, shares.tolist())), distinct[end] if end >= 0 else None, distinct)
+
+
+@numba.njit("Tuple((f8[:], i8))(i8[:], i8[:], f8[:], i8)", cache=True)
+def serving_shares(depths, points, probabilities, sequence_length):
+    """How a session's checkpoint ``depths`` (distinct, ascending) divide its next restore
+    points, each point going to the deepest depth at or before it: the probability of the
+    predicted edit ``points`` each depth serves, and the index of the depth serving the end of
+    the latest sequence, for a request that only appends (-1 if none). Summed in the points'
+    order, so every caller gets the same floats: ``restore_shares`` for a candidate, and
+    ``HeldValues`` for all of a session's checkpoints whenever the session changes."""
+    shares = np.zeros(depths.shape[0])
+    for k in range(points.shape[0]):
+        index = np.searchsorted(depths, points[k], side="right") - 1
         if index >= 0:
-            predicted[ordered[index]] = predicted.get(ordered[index], 0.0) + probability
-    index = bisect_right(ordered, int(session.sequence.shape[0])) - 1
-    return RestoreShares(predicted, ordered[index] if index >= 0 else None, ordered)
+            shares[index] += probabilities[k]
+    return shares, np.searchsorted(depths, sequence_length, side="right") - 1
+
+
+@register_jitable
+def restore_probability(predicted, serves_end, append_probability, horizon, edit_weight):
+    """P(a session's next request restores from a checkpoint): ``predicted``, the probability
+    of the predicted edit points it serves, counted over ``horizon`` requests
+    (``within_horizon``) and weighed by ``edit_weight``, plus ``append_probability`` if it
+    ``serves_end`` of the latest sequence."""
+    return within_horizon(predicted, horizon) * edit_weight + (append_probability if serves_end else 0.0)
+
+
+@register_jitable
+def tokens_saved(depth, base_depth, below):
+    """Tokens a checkpoint at ``depth`` saves a restore: without it, the restore falls back to
+    the session's next shallower checkpoint (at ``below``) or to its base; at least 1."""
+    return max(depth - max(base_depth, below), 1)
 
 
 def edit_probability(session: Session, stream: StreamStats) -> float:
