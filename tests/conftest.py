@@ -7,14 +7,44 @@ under the interpreter, in whatever order the modules are collected.
 """
 
 import json
+import logging
 import os
 import re
+import traceback
 
 import pytest
 import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+class _ErrorRecords(logging.Handler):
+    """The error records of a logger, since they were last cleared."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.ERROR)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+# A request whose planning raises is served without its checkpoints and the error logged
+# (``anchor_capture._plan``), as a server must: a test driving the cache would see only fewer
+# checkpoints. So such an error fails the test, unless it is marked planning_failure_expected.
+_planning_errors = _ErrorRecords()
+logging.getLogger("sglang_hybrid.runtime.anchor_capture").addHandler(_planning_errors)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    _planning_errors.records.clear()
+    result = yield
+    if _planning_errors.records and item.get_closest_marker("planning_failure_expected") is None:
+        record = _planning_errors.records[0]
+        raise AssertionError(f"{record.getMessage()}:\n" + "".join(traceback.format_exception(*record.exc_info)))
+    return result
 
 
 @pytest.fixture(scope="session")

@@ -252,6 +252,7 @@ def test_chunked_prefill_captures_each_depth_in_the_forward_that_crosses_it():
     assert pool.used_size() == 0, "an aborted request's staged slots leaked"
 
 
+@pytest.mark.planning_failure_expected
 def test_a_request_whose_planning_fails_is_served_without_checkpoints(monkeypatch, caplog):
     driver = _tiny_lifecycle("none")
     pool = driver.cache.checkpoint_pool
