@@ -1,8 +1,10 @@
-"""prefix_digests: every prefix and message digest of a prompt from one vectorized pass, equal to
+"""prefix_digests: every prefix and message digest of a prompt from one compiled pass, equal to
 the polynomial they are defined as."""
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from sglang_hybrid.planning.following import MULTIPLIER, prefix_digests
 
@@ -34,3 +36,16 @@ def test_a_message_has_one_digest_wherever_it_sits_and_a_trailing_token_zero_cou
     (short,), _ = prefix_digests(a, [50])
     (longer,), _ = prefix_digests(np.concatenate([a, [0]]).astype(np.int32), [51])
     assert short != longer
+
+
+@settings(max_examples=200, deadline=None)
+@given(lengths=st.lists(st.integers(1, 30), min_size=1, max_size=8), wide=st.booleans(), seed=st.integers(0, 2**16))
+def test_digests_of_messages_of_any_length(lengths, wide, seed):
+    """Messages shorter and longer than the compiled loop's lanes, starting anywhere in them."""
+    rng = np.random.default_rng(seed)
+    messages = [rng.integers(0, 151_000, n).astype(np.int64 if wide else np.int32) for n in lengths]
+    prompt = np.concatenate(messages)
+    ends = np.cumsum(lengths).tolist()
+    digests, by_end = prefix_digests(prompt, ends)
+    assert digests == [polynomial(prompt[:end]) for end in ends]
+    assert by_end == {end: polynomial(m) for end, m in zip(ends[:-1], messages[:-1])}
