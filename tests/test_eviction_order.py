@@ -79,8 +79,10 @@ def random_sessions(seed, steps) -> list[Request]:
             history.append(message(rng, size))
         elif kind == "edit" and len(history) > 1:
             history[int(rng.integers(0, len(history)))] = message(rng, size)
-        requests.append(Request(f"s{session}", turn, float(turn), np.concatenate(history),
-                                rng.integers(1000, 50_000, 3).astype(np.int32)))
+        # Outputs closing with few tokens, as an agent's do: sessions share closings, and
+        # the counts after each.
+        output = np.concatenate([rng.integers(1000, 50_000, 2), rng.integers(5, 8, 2)]).astype(np.int32)
+        requests.append(Request(f"s{session}", turn, float(turn), np.concatenate(history), output))
     return requests
 
 

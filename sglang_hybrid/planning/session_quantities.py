@@ -9,16 +9,21 @@ from typing import Mapping, Optional
 import numba
 import numpy as np
 
-from sglang_hybrid.planning.state import PRIOR_GAPS, Session, StreamStats
+from sglang_hybrid.planning.state import CLOSING_TOKENS, PRIOR_GAPS, Session, StreamStats
 from sglang_hybrid.planning.valuation import (
-    closing_return_rate, edit_rate, edit_weight, patience, scarcity, stream_mean_gap, toward,
+    edit_rate, edit_weight, overall_return_rate, patience, return_rate_after, scarcity, stream_mean_gap, toward,
 )
 
 # A session's counters, copied when it changes (``Session``): gaps, transitions and edits, its
 # latest request's clock, the ending of its latest output (an index into the endings seen, -1:
 # not known yet), the gaps, transitions and edits after that ending, whether it ended.
 GAP_TOTAL, TRANSITIONS, EDITS, LAST_CLOCK, ENDING, GAPS_AFTER, TRANSITIONS_AFTER, EDITS_AFTER, ENDED = range(9)
-SESSION_STATS = 9
+# Its latest output's closing: its length (0: none), then the stream's returns and ends after
+# each of its suffixes, the shortest first (``StreamStats.closings``), copied when the session
+# changes and again when the stream counts one of those suffixes.
+CLOSING_LENGTH = 9
+CLOSING_COUNTS = 10
+SESSION_STATS = CLOSING_COUNTS + 2 * CLOSING_TOKENS
 
 
 class SessionQuantities:
@@ -40,6 +45,10 @@ class SessionQuantities:
         self.edit = np.zeros(0)
         self.edit_weight = np.zeros(0)
         self._endings: dict[int, int] = {}  # output ending -> index
+        # By session index, its closing as last read; by closing suffix, the sessions whose
+        # closing ends with it.
+        self._closings: list[Optional[tuple[int, ...]]] = []
+        self._sessions_by_suffix: dict[tuple[int, ...], set[int]] = {}
 
     def index_of(self, name: str) -> Optional[int]:
         return self._index.get(name)
@@ -55,6 +64,7 @@ class SessionQuantities:
         else:
             index = len(self._names)
             self._names.append(name)
+            self._closings.append(None)
             if index >= self.gap.shape[0]:
                 size = max(16, 2 * self.gap.shape[0])
                 self.gap, self.appends, self.alive, self.edit, self.edit_weight = (
@@ -68,6 +78,7 @@ class SessionQuantities:
         index = self._index.pop(name, None)
         if index is not None:
             self._names[index] = ""
+            self._track_closing(index, None)
             self._free_indices.append(index)
         return index
 
@@ -80,8 +91,30 @@ class SessionQuantities:
         else:
             after = (self._endings.setdefault(ending, len(self._endings)), session.gaps_after[ending],
                      session.transitions_after[ending], session.edits_after[ending])
-        self._stats[index] = (session.gap_total, session.transitions, session.edits, session.last_clock, *after,
-                              session.ended)
+        self._stats[index, :CLOSING_LENGTH] = (session.gap_total, session.transitions, session.edits,
+                                               session.last_clock, *after, session.ended)
+        self._track_closing(index, session.closing)
+        self._read_closing_counts(index)
+
+    def _track_closing(self, index: int, closing: Optional[tuple[int, ...]]) -> None:
+        before = self._closings[index]
+        if before == closing:
+            return
+        for suffix in _suffixes(before):
+            sessions = self._sessions_by_suffix[suffix]
+            sessions.discard(index)
+            if not sessions:
+                del self._sessions_by_suffix[suffix]
+        for suffix in _suffixes(closing):
+            self._sessions_by_suffix.setdefault(suffix, set()).add(index)
+        self._closings[index] = closing
+
+    def _read_closing_counts(self, index: int) -> None:
+        row, counts = self._stats[index], self._stream.closings
+        suffixes = _suffixes(self._closings[index])
+        row[CLOSING_LENGTH] = len(suffixes)
+        for k, suffix in enumerate(suffixes):
+            row[CLOSING_COUNTS + 2 * k: CLOSING_COUNTS + 2 * k + 2] = counts.of(suffix)
 
     def compute(self, sessions: np.ndarray, clock: int) -> None:
         """``valuation``'s mean_gap, append_probability x stream_mean_gap / next_gap, alive and
@@ -92,27 +125,34 @@ class SessionQuantities:
         after = np.zeros((3, len(self._endings)))
         for ending, index in self._endings.items():
             after[:, index] = (stream.gaps_after[ending], stream.transitions_after[ending], stream.edits_after[ending])
-        # The sessions share a handful of closings ("!", "?", a tool call's close): each
-        # one's rate once, by the scalar function.
-        closings = [self.session(index).closing for index in sessions.tolist()]
-        rates = {closing: closing_return_rate(closing, stream) for closing in set(closings)}
-        returning = np.array([rates[closing] for closing in closings], dtype=np.float64)
-        _compute(self._stats, sessions, after, returning, clock, stream_mean_gap(stream), float(stream.edits),
-                 float(stream.transitions), scarcity(stream), self.gap, self.appends, self.alive, self.edit,
-                 self.edit_weight)
+        for suffix in stream.closings.take_changed():
+            for index in self._sessions_by_suffix.get(suffix, ()):
+                self._read_closing_counts(index)
+        _compute(self._stats, sessions, after, overall_return_rate(stream), clock, stream_mean_gap(stream),
+                 float(stream.edits), float(stream.transitions), scarcity(stream), self.gap, self.appends, self.alive,
+                 self.edit, self.edit_weight)
 
 
-@numba.njit("void(f8[:, :], i8[:], f8[:, :], f8[:], i8, f8, f8, f8, f8, f8[:], f8[:], f8[:], f8[:], f8[:])",
+def _suffixes(closing: Optional[tuple[int, ...]]) -> list[tuple[int, ...]]:
+    """A closing's suffixes, the shortest first."""
+    return [] if closing is None else [closing[start:] for start in range(len(closing) - 1, -1, -1)]
+
+
+@numba.njit("void(f8[:, :], i8[:], f8[:, :], f8, i8, f8, f8, f8, f8, f8[:], f8[:], f8[:], f8[:], f8[:])",
             cache=True)
-def _compute(stats, sessions, after, returning, clock, stream_gap, stream_edits, stream_transitions, pool_scarcity,
-             gap_out, appends_out, alive_out, edit_out, edit_weight_out):
-    """``SessionQuantities.compute`` of ``sessions`` (``returning``: each one's
-    ``closing_return_rate``). Compiled, with valuation's formulas as written (the same
-    operations in the same order, so the same floats): numpy's ~40 array operations cost
-    ~40 us at any number of sessions."""
+def _compute(stats, sessions, after, overall_return, clock, stream_gap, stream_edits, stream_transitions,
+             pool_scarcity, gap_out, appends_out, alive_out, edit_out, edit_weight_out):
+    """``SessionQuantities.compute`` of ``sessions`` (``overall_return``:
+    ``valuation.overall_return_rate``). Compiled, with valuation's formulas as written (the
+    same operations in the same order, so the same floats): numpy's ~40 array operations cost
+    ~40 us at any number of sessions, and each session's ``closing_return_rate`` in Python
+    ~2 us."""
     for i in range(sessions.shape[0]):
         session = sessions[i]
         row = stats[session]
+        returning = 1.0 if row[CLOSING_LENGTH] == 0.0 else overall_return
+        for k in range(int(row[CLOSING_LENGTH])):
+            returning = return_rate_after(returning, row[CLOSING_COUNTS + 2 * k], row[CLOSING_COUNTS + 2 * k + 1])
         gap = toward(row[GAP_TOTAL], row[TRANSITIONS], stream_gap, PRIOR_GAPS)
         edit = edit_rate(row[EDITS], row[TRANSITIONS], stream_edits, stream_transitions)
         ending = int(row[ENDING])
@@ -130,7 +170,7 @@ def _compute(stats, sessions, after, returning, clock, stream_gap, stream_edits,
         if row[ENDED] > 0.0:
             alive_out[session] = 0.0
         else:
-            alive_out[session] = returning[i] * (1.0 if idle <= limit else (limit / idle) ** 2)
+            alive_out[session] = returning * (1.0 if idle <= limit else (limit / idle) ** 2)
         gap_out[session] = gap
         appends_out[session] = appends * stream_gap / next_gap
         edit_weight_out[session] = edit_weight(stream_gap, next_gap, pool_scarcity)

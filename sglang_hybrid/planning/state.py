@@ -188,6 +188,7 @@ class ClosingCounts:
         self.capacity = capacity
         self._counts: OrderedDict[tuple[int, ...], list[int]] = OrderedDict()  # -> [returns, ends]
         self.ends = 0  # sessions presumed ended, after any closing
+        self._changed: set[tuple[int, ...]] = set()  # suffixes counted or forgotten since taken
 
     def of(self, suffix: tuple[int, ...]) -> tuple[int, int]:
         """(returns, ends) after outputs closing with ``suffix``."""
@@ -206,9 +207,16 @@ class ClosingCounts:
                 self._counts.move_to_end(suffix)
             counts[0] += returned
             counts[1] = max(counts[1] + ended, 0)  # its end was forgotten with the suffix
+            self._changed.add(suffix)
         self.ends += ended
         while len(self._counts) > self.capacity:
-            self._counts.popitem(last=False)
+            self._changed.add(self._counts.popitem(last=False)[0])
+
+    def take_changed(self) -> set[tuple[int, ...]]:
+        """The suffixes whose counts changed (counted, or forgotten) since the last call: for
+        the one reader that keeps the counts of its sessions' closings (``SessionQuantities``)."""
+        changed, self._changed = self._changed, set()
+        return changed
 
 
 @dataclass

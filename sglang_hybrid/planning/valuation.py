@@ -328,12 +328,22 @@ def closing_return_rate(closing: Optional[tuple[int, ...]], stream: StreamStats)
     ending with "." or "?"). 1 for None."""
     if closing is None:
         return 1.0
-    counts = stream.closings
-    rate = (stream.transitions + 1) / (stream.transitions + counts.ends + 2)
+    rate = overall_return_rate(stream)
     for start in range(len(closing) - 1, -1, -1):
-        returns, ends = counts.of(closing[start:])
-        rate = toward(returns, returns + ends, rate, PRIOR_ENDS)
+        rate = return_rate_after(rate, *stream.closings.of(closing[start:]))
     return rate
+
+
+def overall_return_rate(stream: StreamStats) -> float:
+    """The share of the stream's sessions that came back after any output (Laplace-smoothed)."""
+    return (stream.transitions + 1) / (stream.transitions + stream.closings.ends + 2)
+
+
+@register_jitable
+def return_rate_after(rate, returns, ends):
+    """The return rate after a closing suffix seen ``returns`` and ``ends`` times, drawn toward
+    ``rate`` (the next shorter suffix's) as ``PRIOR_ENDS`` sessions."""
+    return toward(returns, returns + ends, rate, PRIOR_ENDS)
 
 
 @register_jitable
