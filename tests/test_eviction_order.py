@@ -26,7 +26,7 @@ from sglang_hybrid.cache.planning import CheckpointId
 from sglang_hybrid.planning import planner as planner_module
 from sglang_hybrid.planning.admission import Candidates
 from sglang_hybrid.planning.state import Purpose
-from sglang_hybrid.planning.valuation import checkpoint_value, own_depth_value
+from sglang_hybrid.planning.valuation import checkpoint_value
 from sglang_hybrid.replay.cost_model import DEFAULT_PROFILE, get_profile
 from sglang_hybrid.replay.policies import drive
 from sglang_hybrid.replay.policies.semantic import SemanticPolicy, tiny_state_spec
@@ -144,33 +144,18 @@ def assert_values_are_fresh(planner) -> None:
         assert planner.value(checkpoint, record.depth) == fresh, (checkpoint, record)
 
 
-def checked_own_depth_value(planner):
-    """``valuation.own_depth_value``, as the planner values its own candidates (from
-    ``HeldValues.own_terms``), checked against a fresh scalar valuation at every call."""
-    def value(session, depth, purpose, planned, terms):
-        name = next(name for name, known in planner.sessions.items() if known is session)
-        worth = own_depth_value(session, depth, purpose, planned, terms)
-        fresh = checkpoint_value(planner._new_record(name, depth, purpose), None, planner.sessions, planner.stream,
-                                 planned)
-        assert worth == fresh, (name, depth, purpose, planned)
-        return worth
-    return value
-
-
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(**SESSIONS)
 def test_held_values_equal_fresh_valuations_after_every_change(seed, slots, steps):
     """The planner's table of held values (``HeldValues``) keeps values between changes; after
     every request, and after each of the evictions that follow it, every one equals a fresh
-    scalar valuation. So do candidates serving other sessions, which a plan values in bulk,
-    and the session's own candidates, which a plan values from the table's quantities. The
-    planner forgets the sessions holding nothing every other request here (silent for a gap:
-    their table indices go to the next new sessions)."""
+    scalar valuation. So do candidates serving other sessions, which a plan values in bulk.
+    The planner forgets the sessions holding nothing every other request here (silent for a
+    gap: their table indices go to the next new sessions)."""
     policy = replay_policy(slots + 4)
     planner = policy.planner
     with mock.patch.object(planner_module, "FORGET_SWEEP_REQUESTS", 2), \
-            mock.patch.object(planner_module, "FORGET_AFTER_GAPS", 1), \
-            mock.patch.object(planner_module, "own_depth_value", checked_own_depth_value(planner)):
+            mock.patch.object(planner_module, "FORGET_AFTER_GAPS", 1):
         for step, _ in drive(random_sessions(seed, steps), [policy]):
             assert_values_are_fresh(planner)
             # A request's candidates serving other sessions are valued in bulk: the same values.
@@ -181,8 +166,7 @@ def test_held_values_equal_fresh_valuations_after_every_change(seed, slots, step
             candidates = Candidates([], [depth for depth, _ in pairs], [purpose for _, purpose in pairs],
                                     [spans.get(depth, depth) for depth, _ in pairs], 0)
             bulk = planner._shared_candidates(session, candidates).values.tolist()
-            assert bulk == [checkpoint_value(planner._new_record(session, depth, purpose), None, planner.sessions,
-                                             planner.stream) for depth, purpose in pairs]
+            assert bulk == [planner._candidate_value(session, depth, purpose, ()) for depth, purpose in pairs]
             for _ in range(2):
                 policy.cache.evict_checkpoints(1)
                 assert_values_are_fresh(policy.planner)

@@ -30,7 +30,7 @@ from sglang_hybrid.cache.planning import CheckpointId, Tier
 from sglang_hybrid.planning.session_quantities import SessionQuantities
 from sglang_hybrid.planning.state import SHARED_PURPOSES, Purpose, Record, Session, StreamStats
 from sglang_hybrid.planning.valuation import (
-    OwnTerms, followed_value, own_worth, restore_horizon, serving_shares, shared_prior, shared_value, tokens_saved,
+    followed_value, restore_horizon, restore_probability, serving_shares, shared_prior, shared_value, tokens_saved,
 )
 
 # The table's columns (those written together adjacent: a slice costs a tenth of a list index).
@@ -58,12 +58,13 @@ def _value_rows(table, rows, gap, edit_weight, appends, edit, alive, clock, hori
             values[row] = shared_value(table[row, SPAN], table[row, USES], clock - table[row, CREATED], prior,
                                        gap[session])
             continue
-        if table[row, ON_PATH] == 0.0:
-            values[row] = 0.0
-            continue
-        values[row] = own_worth(table[row, PREDICTED], table[row, SERVES_END] > 0.0, table[row, HINT] > 0.0,
-                                appends[session], horizon, edit_weight[session], edit[session], alive[session],
-                                table[row, SAVED])
+        # Own: P(the session's next request restores from it) x P(alive) x tokens saved.
+        probability = restore_probability(table[row, PREDICTED], table[row, SERVES_END] > 0.0, appends[session],
+                                          horizon, edit_weight[session])
+        if table[row, HINT] > 0.0:
+            probability = max(probability, edit[session])
+        kept = table[row, ON_PATH] > 0.0 and probability > 0.0
+        values[row] = probability * alive[session] * table[row, SAVED] if kept else 0.0
 
 
 @numba.njit("void(f8[:, :], i8[:], b1[:], i8[:], i8[:], f8[:], i8, i8)", cache=True)
@@ -261,26 +262,6 @@ class HeldValues:
                 record = self._records[self._checkpoints[row]]
                 owner = self._sessions[record.session]
                 self._values[row] += followed_value(owner, record, self._sessions, stream)
-
-    def own_terms(self, session: str) -> OwnTerms:
-        """``valuation.own_terms`` of ``session``, one the planner knows, from its quantities
-        at the stream's clock (computed for it alone unless they are current): what its own
-        candidates' values read, the same floats as its held checkpoints'."""
-        quantities, clock = self._quantities, self._stream.clock
-        index = quantities.index_of(session)
-        if index is None:
-            index = quantities.add(session)
-            self._changed.add(index)
-        if index in self._changed:
-            # Read again with its rows' values at the next refresh.
-            quantities.read(index)
-            self._current.discard(index)
-        if self._clock != clock or index not in self._current:
-            quantities.compute(np.array([index], dtype=np.int64), clock)
-            if self._clock == clock:
-                self._current.add(index)
-        return OwnTerms(quantities.appends.item(index), restore_horizon(self._stream),
-                        quantities.edit_weight.item(index), quantities.edit.item(index), quantities.alive.item(index))
 
     # ---- reading the planner's sessions ----
 

@@ -46,7 +46,7 @@ from sglang_hybrid.planning.state import (
     Record, RequestContext, Session, StreamStats,
 )
 from sglang_hybrid.planning.valuation import (
-    edit_probability, followed_value, mean_gap, own_depth_value, shared_prior, shared_value,
+    checkpoint_value, edit_probability, followed_value, mean_gap, shared_prior, shared_value,
 )
 from sglang_hybrid.tokens import common_prefix_length
 
@@ -134,10 +134,9 @@ class CheckpointPlanner:
         candidates = propose(ctx, session.predictions, own_prefix)
         session.planned_spans = dict(zip(candidates.shared_depths, candidates.shared_spans))
         self.stream.shared_proposed += candidates.shared_paths
-        terms = self._held.own_terms(ctx.session) if candidates.own else None
         return CheckpointPlan(admit(
             candidates.own, self._shared_candidates(ctx.session, candidates),
-            lambda depth, purpose, planned: own_depth_value(session, depth, purpose, planned, terms),
+            lambda depth, purpose, planned: self._candidate_value(ctx.session, depth, purpose, planned),
             ctx.free_slots, self._held.ascending,
         ))  # fmt: skip
 
@@ -176,7 +175,7 @@ class CheckpointPlanner:
 
     def _shared_candidates(self, session: str, candidates: Candidates) -> SharedCandidates:
         """The candidates serving other sessions, valued at once (a new content's message
-        starts come by the hundred): ``valuation.checkpoint_value`` of each as a new record."""
+        starts come by the hundred): ``checkpoint_value`` of each as a new record."""
         owner = self.sessions[session]
         depths, purposes = candidates.shared_depths, candidates.shared_purposes
         prior = {purpose: shared_prior(purpose, self.stream) for purpose in SHARED_PURPOSES}
@@ -188,6 +187,9 @@ class CheckpointPlanner:
                 followed_value(owner, self._new_record(session, depth, purpose), self.sessions, self.stream)
                 for depth, purpose in zip(depths, purposes)])
         return SharedCandidates(depths, purposes, values)
+
+    def _candidate_value(self, session: str, depth: int, purpose: Purpose, planned: list[int]) -> float:
+        return checkpoint_value(self._new_record(session, depth, purpose), None, self.sessions, self.stream, planned)
 
     # ---- bookkeeping after a request ----
 

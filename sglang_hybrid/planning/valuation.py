@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from bisect import bisect_left
 from dataclasses import dataclass
-from typing import Iterable, Mapping, NamedTuple, Optional, Sequence
+from typing import Iterable, Mapping, Optional, Sequence
 
 import numba
 import numpy as np
@@ -40,7 +40,8 @@ def own_value(session: Session, record: Record, checkpoint: Optional[CheckpointI
               planned: Sequence[int] = ()) -> float:
     """What the checkpoint saves the requests it was taken for: its session's next ones,
     or for a shared one, any session's."""
-    depth, purpose = record.depth, record.purpose
+    depth, purpose, created = record.depth, record.purpose, record.created
+    gap = mean_gap(session, stream)
     if purpose in SHARED_PURPOSES:
         # Serves other sessions: worth its span (what a restore from it saves over the
         # shared checkpoint before it) per use, at the rate it has been used since it was
@@ -49,56 +50,27 @@ def own_value(session: Session, record: Record, checkpoint: Optional[CheckpointI
         # A branch point has been passed by two sessions already: its taking counts as one
         # use; a shared-path message start, as the fraction of those proposed that another
         # session restored from.
-        return shared_value(record.span, record.uses, stream.clock - record.created, shared_prior(purpose, stream),
-                            mean_gap(session, stream))
+        return shared_value(record.span, record.uses, stream.clock - created, shared_prior(purpose, stream), gap)
     if checkpoint is not None and checkpoint not in session.on_path:
         return 0.0
-    return own_depth_value(session, depth, purpose, planned, own_terms(session, stream))
-
-
-def own_depth_value(session: Session, depth: int, purpose: Purpose, planned: Sequence[int], terms: "OwnTerms") -> float:
-    """What a checkpoint of ``session``'s own at ``depth``, taken for ``purpose``, saves
-    beside its checkpoints on its path and at the depths ``planned``, from its ``terms``:
-    ``own_terms``, or the same floats computed for all sessions at once
-    (``HeldValues.own_terms``)."""
     shares = restore_shares(session, [*session.on_path.values(), *planned, depth])
-    return shares.worth(depth, session.base_depth, purpose is Purpose.HINT, terms)
-
-
-class OwnTerms(NamedTuple):
-    """A session's quantities that every one of its own checkpoints' values reads
-    (``own_worth``)."""
-
-    appends: float  # P(its next request only appends), per unit of time
-    horizon: float  # ``restore_horizon``
-    edit_weight: float  # what its predicted edit points' probability counts for
-    edit: float  # P(its next request edits its history)
-    alive: float  # P(it sends another request)
-
-
-def own_terms(session: Session, stream: StreamStats) -> OwnTerms:
-    """``session``'s ``OwnTerms``. An append restores from the end state at the session's next request, which comes
-    sooner than the stream's mean gap after a tool call (the tool's result is sent back at
-    once) and later after an answer (a user types the next turn): the sooner, the more
-    requests the slot serves per unit of time. A predicted edit may come later than the next
-    request (the one closing a chain of tool calls): how soon counts for it only as far as
-    the pool is short of slots (``edit_weight``), and with slots to spare it counts over the
-    requests a checkpoint can wait through (``restore_horizon``)."""
-    gap, wait, unit = mean_gap(session, stream), next_gap(session, stream), stream_mean_gap(stream)
-    return OwnTerms(append_probability(session, stream) * unit / wait, restore_horizon(stream),
-                    edit_weight(unit, wait, scarcity(stream)), edit_probability(session, stream),
-                    alive(session, patience(gap, wait), stream))
-
-
-@register_jitable
-def own_worth(predicted, serves_end, hint, appends, horizon, edit_weight, edit, alive, saved):
-    """Expected tokens a checkpoint saves its own session: P(the session's next request
-    restores from it) (``restore_probability``; at a client's hint, at least P(the session
-    edits): the client says an edit will land there) x P(alive) x the tokens it saves."""
-    probability = restore_probability(predicted, serves_end, appends, horizon, edit_weight)
-    if hint:
-        probability = max(probability, edit)
-    return probability * alive * saved if probability > 0.0 else 0.0
+    # An append restores from the end state at the session's next request, which comes
+    # sooner than the stream's mean gap after a tool call (the tool's result is sent back at
+    # once) and later after an answer (a user types the next turn): the sooner, the more
+    # requests the slot serves per unit of time. A predicted edit may come later than the next
+    # request (the one closing a chain of tool calls): how soon counts for it only as far as
+    # the pool is short of slots (``edit_weight``), and with slots to spare it counts over the
+    # requests a checkpoint can wait through (``restore_horizon``).
+    wait, unit = next_gap(session, stream), stream_mean_gap(stream)
+    appends = append_probability(session, stream) * unit / wait
+    probability = shares.probability(depth, appends, restore_horizon(stream), edit_weight(unit, wait, scarcity(stream)))
+    if purpose is Purpose.HINT:
+        # The client says an edit will land here: trust it as much as the session's edits.
+        probability = max(probability, edit_probability(session, stream))
+    if probability <= 0.0:
+        return 0.0
+    return probability * alive(session, patience(gap, wait), stream) * tokens_saved(depth, session.base_depth,
+                                                                                      shares.below(depth))
 
 
 def shared_prior(purpose: Purpose, stream: StreamStats) -> float:
@@ -146,11 +118,11 @@ class RestoreShares:
     end: Optional[int]  # the depth serving the end, if any
     depths: tuple[int, ...]  # the distinct depths, ascending
 
-    def worth(self, depth: int, base_depth: int, hint: bool, terms: OwnTerms) -> float:
-        """``own_worth`` of the session's checkpoint at ``depth`` (a ``hint`` of its client's
-        or not), from the session's ``terms`` and its ``base_depth``."""
-        return own_worth(self.predicted.get(depth, 0.0), depth == self.end, hint, terms.appends, terms.horizon,
-                         terms.edit_weight, terms.edit, terms.alive, tokens_saved(depth, base_depth, self.below(depth)))
+    def probability(self, depth: int, append_probability: float, horizon: float, edit_weight: float) -> float:
+        """P(the session's next request restores from a checkpoint at ``depth``)
+        (``restore_probability``)."""
+        return restore_probability(self.predicted.get(depth, 0.0), depth == self.end, append_probability, horizon,
+                                   edit_weight)
 
     def below(self, depth: int) -> int:
         """The deepest depth shallower than ``depth`` (0 if none)."""
