@@ -30,7 +30,7 @@ from sglang_hybrid.cache.planning import CheckpointId, Tier
 from sglang_hybrid.planning.session_quantities import SessionQuantities
 from sglang_hybrid.planning.state import SHARED_PURPOSES, Purpose, Record, Session, StreamStats
 from sglang_hybrid.planning.valuation import (
-    followed_value, restore_horizon, restore_probability, serving_shares, shared_prior, shared_value, tokens_saved,
+    followed_value, restore_horizon, restore_probability, restore_shares, shared_prior, shared_value, tokens_saved,
 )
 
 # The table's columns (those written together adjacent: a slice costs a tenth of a list index).
@@ -67,23 +67,22 @@ def _value_rows(table, rows, gap, edit_weight, appends, edit, alive, clock, hori
         values[row] = probability * alive[session] * table[row, SAVED] if kept else 0.0
 
 
-@numba.njit("void(f8[:, :], i8[:], b1[:], i8[:], i8[:], f8[:], i8, i8)", cache=True)
-def _read_restore_shares(table, rows, on_path, ordered, points, probabilities, sequence_length, base_depth):
-    """``valuation.restore_shares`` of a session's path into the ON_PATH..SAVED columns of its
-    own checkpoints' ``rows`` (``on_path``: whether each one is on the path). ``ordered``: the
-    distinct depths of its checkpoints on the path, ascending; ``points``, ``probabilities``:
-    its predicted edit points in the session's order. Compiled: in Python it cost ~2 us a
-    checkpoint, every time its session changes."""
-    shares, end = serving_shares(ordered, points, probabilities, sequence_length)
+@numba.njit("void(f8[:, :], i8[:], b1[:], i8[:], f8[:], i8, i8)", cache=True)
+def _read_restore_shares(table, rows, on_path, depths, predicted, end, base_depth):
+    """A session's ``valuation.RestoreShares`` into the ON_PATH..SAVED columns of its own
+    checkpoints' ``rows`` (``on_path``: whether each one is on the path): ``depths``, the
+    distinct depths of its checkpoints on the path, ascending, each with the probability of
+    the predicted points it serves (``predicted``); ``end``, the depth serving the end (-1:
+    none). Compiled: in Python it cost ~2 us a checkpoint, every time its session changes."""
     for k in range(rows.shape[0]):
         row = rows[k]
         depth = int(table[row, DEPTH])
-        at = np.searchsorted(ordered, depth, side="left")
-        held_here = at < ordered.shape[0] and ordered[at] == depth
+        at = np.searchsorted(depths, depth, side="left")
+        held_here = at < depths.shape[0] and depths[at] == depth
         table[row, ON_PATH] = 1.0 if on_path[k] else 0.0
-        table[row, PREDICTED] = shares[at] if held_here else 0.0
-        table[row, SERVES_END] = 1.0 if end >= 0 and ordered[end] == depth else 0.0
-        table[row, SAVED] = tokens_saved(depth, base_depth, ordered[at - 1] if at > 0 else 0)
+        table[row, PREDICTED] = predicted[at] if held_here else 0.0
+        table[row, SERVES_END] = 1.0 if depth == end else 0.0
+        table[row, SAVED] = tokens_saved(depth, base_depth, depths[at - 1] if at > 0 else 0)
 
 
 def _row(checkpoint: CheckpointId) -> int:
@@ -269,15 +268,15 @@ class HeldValues:
         """What the session's own checkpoints' depths are worth to its restore points
         (``valuation.RestoreShares``)."""
         session = self._quantities.session(index)
-        on_path, predictions, checkpoints = session.on_path, session.predictions, self._checkpoints
+        on_path, checkpoints = session.on_path, self._checkpoints
+        shares = restore_shares(session, on_path.values())
         rows = list(self._own_rows_of[index])
         _read_restore_shares(
             self._table, np.array(rows, dtype=np.int64),
             np.array([checkpoints[row] in on_path for row in rows], dtype=bool),
-            np.array(sorted(set(on_path.values())), dtype=np.int64),
-            np.fromiter(predictions, dtype=np.int64, count=len(predictions)),
-            np.fromiter(predictions.values(), dtype=np.float64, count=len(predictions)),
-            int(session.sequence.shape[0]), session.base_depth)
+            np.array(shares.depths, dtype=np.int64),
+            np.array([shares.predicted.get(depth, 0.0) for depth in shares.depths], dtype=np.float64),
+            -1 if shares.end is None else shares.end, session.base_depth)
 
     def _grow(self, rows: int) -> None:
         old = self._live.shape[0]

@@ -4,17 +4,15 @@ none writes any.
 
 The formulas marked ``register_jitable`` are also compiled (numba) into the loops that value
 every held checkpoint at once (``HeldValues``, ``SessionQuantities``): they stay arithmetic on
-their arguments, so that both give the same floats. ``serving_shares`` is compiled here, and
-called by both.
+their arguments, so that both give the same floats.
 """
 
 from __future__ import annotations
 
-from bisect import bisect_left
+from bisect import bisect_left, bisect_right
 from dataclasses import dataclass
 from typing import Iterable, Mapping, Optional, Sequence
 
-import numba
 import numpy as np
 from numba.extending import register_jitable
 
@@ -110,9 +108,10 @@ def followed_value(session: Session, record: Record, sessions: Mapping[str, Sess
 
 @dataclass(frozen=True)
 class RestoreShares:
-    """How a session's checkpoint depths divide its next restore points (``serving_shares``).
-    A function of the depths, the predictions and the sequence alone, so a caller may keep it
-    until one of them changes."""
+    """How a session's checkpoint depths divide its next restore points -- the predicted
+    edit points, and the end of its latest sequence for a request that only appends --
+    each point going to the deepest depth at or before it. A function of the depths, the
+    predictions and the sequence alone, so a caller may keep it until one of them changes."""
 
     predicted: dict[int, float]  # depth -> P of the predicted edit points it serves
     end: Optional[int]  # the depth serving the end, if any
@@ -131,29 +130,14 @@ class RestoreShares:
 
 
 def restore_shares(session: Session, depths: Iterable[int]) -> RestoreShares:
-    ordered = np.array(sorted(set(depths)), dtype=np.int64)
-    predictions = session.predictions
-    shares, end = serving_shares(
-        ordered, np.fromiter(predictions, dtype=np.int64, count=len(predictions)),
-        np.fromiter(predictions.values(), dtype=np.float64, count=len(predictions)), int(session.sequence.shape[0]))
-    distinct = tuple(ordered.tolist())
-    return RestoreShares(dict(zip(distinct, shares.tolist())), distinct[end] if end >= 0 else None, distinct)
-
-
-@numba.njit("Tuple((f8[:], i8))(i8[:], i8[:], f8[:], i8)", cache=True)
-def serving_shares(depths, points, probabilities, sequence_length):
-    """How a session's checkpoint ``depths`` (distinct, ascending) divide its next restore
-    points, each point going to the deepest depth at or before it: the probability of the
-    predicted edit ``points`` each depth serves, and the index of the depth serving the end of
-    the latest sequence, for a request that only appends (-1 if none). Summed in the points'
-    order, so every caller gets the same floats: ``restore_shares`` for a candidate, and
-    ``HeldValues`` for all of a session's checkpoints whenever the session changes."""
-    shares = np.zeros(depths.shape[0])
-    for k in range(points.shape[0]):
-        index = np.searchsorted(depths, points[k], side="right") - 1
+    ordered = tuple(sorted(set(depths)))
+    predicted: dict[int, float] = {}
+    for point, probability in session.predictions.items():
+        index = bisect_right(ordered, point) - 1
         if index >= 0:
-            shares[index] += probabilities[k]
-    return shares, np.searchsorted(depths, sequence_length, side="right") - 1
+            predicted[ordered[index]] = predicted.get(ordered[index], 0.0) + probability
+    index = bisect_right(ordered, int(session.sequence.shape[0])) - 1
+    return RestoreShares(predicted, ordered[index] if index >= 0 else None, ordered)
 
 
 @register_jitable
