@@ -47,16 +47,16 @@ def walked_depth(node) -> int:
 def brute_force_victim(policy: SemanticPolicy):
     planner = policy.planner
     lru = policy.cache.tree_core.lru_lists[MAMBA]
-    node, best, best_value = lru.get_lru_no_lock(), None, None
+    node, best, best_slot, best_value = lru.get_lru_no_lock(), None, None, None
     while node is not None:
         checkpoint = CheckpointId.device(int(node.component_data[MAMBA].value))
         record = planner.records.get(checkpoint)
         known = record is not None and record.depth == walked_depth(node)
         fresh = checkpoint_value(record, checkpoint, planner.sessions, planner.stream) if known else 0.0
         if best_value is None or fresh < best_value:
-            best, best_value = node, fresh
+            best, best_slot, best_value = node, checkpoint.slot, fresh
         node = lru.get_prev_no_lock(node)
-    return best, best_value
+    return best, best_slot, best_value
 
 
 def brute_force_victims(policy: SemanticPolicy):
@@ -106,7 +106,7 @@ def test_victim_is_the_brute_force_minimum(seed, slots, steps):
     policy = replay_policy(slots)
     component = policy.cache.components[MAMBA]
     for _ in drive(random_sessions(seed, steps), [policy]):
-        assert next(component._victims(), (None, None)) == brute_force_victim(policy)
+        assert next(component._victims(), (None, None, None)) == brute_force_victim(policy)
 
 
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])

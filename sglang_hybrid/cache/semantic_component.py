@@ -261,10 +261,10 @@ class SemanticMambaComponent(MambaComponent):
         evicted, freed = 0, []
         try:
             while evicted < num:
-                victim, value = next(victims, (None, None))
+                victim, slot, value = next(victims, (None, None, None))
                 if victim is None:
                     break
-                device_slot = self._tombstone(victim, value)
+                device_slot = self._tombstone(victim, slot, value)
                 if device_slot is not None:
                     freed.append(device_slot)
                 evicted += 1
@@ -273,13 +273,14 @@ class SemanticMambaComponent(MambaComponent):
                 self.checkpoint_pool.free(torch.cat(freed))
         return evicted
 
-    def _tombstone(self, victim: "UnifiedTreeNode", value: Optional[float]) -> Optional[torch.Tensor]:
-        """Take ``victim``'s checkpoint off the tree: demoted to the host tier, or dropped;
-        return the device slot to free (None: the tier hands it back once its copy is done)."""
+    def _tombstone(self, victim: "UnifiedTreeNode", slot: int, value: Optional[float]) -> Optional[torch.Tensor]:
+        """Take ``victim``'s checkpoint (in device slot ``slot``) off the tree: demoted to the
+        host tier, or dropped; return the device slot to free (None: the tier hands it back
+        once its copy is done)."""
         device_slot = victim.component_data[MAMBA].value
         # The stock tombstoning (sizes, host LRU), not this class's, which drops a host copy.
         MambaComponent.evict_component(self, victim, {MAMBA: []}, {}, [], target=EvictLayer.DEVICE)
-        self.slot_held[int(device_slot)] = False
+        self.slot_held[slot] = False
         lru = self.tree_core.lru_lists[MAMBA]
         if lru.in_list(victim):
             lru.remove_node(victim)
@@ -287,7 +288,7 @@ class SemanticMambaComponent(MambaComponent):
         if self._demote(victim, device_slot, value):
             return None
         self.cache.stats.evicted += 1
-        self.cache.checkpoint_evicted(CheckpointId.device(device_slot))
+        self.cache.checkpoint_evicted(CheckpointId.device(slot))
         return device_slot
 
     def _touched(self, node: "UnifiedTreeNode") -> None:
@@ -298,10 +299,12 @@ class SemanticMambaComponent(MambaComponent):
         self.slot_held[slot] = True
         self.slot_recency[slot] = self._recency_clock
 
-    def _victims(self) -> Iterator[tuple["UnifiedTreeNode", Optional[float]]]:
-        """The unlocked checkpoints in eviction order, each with its value (None when eviction
-        follows recency), the next one found only once the one before is taken: the one the
-        planning values least, ties to the least recently restored.
+    def _victims(self) -> Iterator[tuple["UnifiedTreeNode", int, Optional[float]]]:
+        """The unlocked checkpoints in eviction order, each with its device slot and its value
+        (None when eviction follows recency), the next one found only once the one before is
+        taken: the one the planning values least, ties to the least recently restored. The
+        slot comes from the component's arrays: reading it off the node's tensor would wait for
+        the device on a GPU.
 
         The values are read once, at the first victim, and ranked. A victim leaving can only
         raise the values of the checkpoints left (a shallower one of its session becomes the
@@ -313,7 +316,7 @@ class SemanticMambaComponent(MambaComponent):
         if planning is None:
             lru = self.tree_core.lru_lists[MAMBA]
             while (node := lru.get_lru_no_lock()) is not None:
-                yield node, None
+                yield node, int(node.component_data[MAMBA].value), None
             return
         # An eviction call takes a few victims: the first ranks are selected, and more only once
         # those are used up, from the same values over the slots held at the start.
@@ -341,7 +344,7 @@ class SemanticMambaComponent(MambaComponent):
             if now > value:
                 heapq.heappush(risen, (now, stamp, slot))
                 continue
-            yield node, now
+            yield node, slot, now
 
     def clear_checkpoints(self) -> None:
         """The cache was reset: no node holds a checkpoint of either tier."""
