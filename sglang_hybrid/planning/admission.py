@@ -45,8 +45,13 @@ def propose(ctx: RequestContext, predictions: Mapping[int, float], own_prefix: i
     held = set(int(d) for d in ctx.held_depths)
     own: dict[int, Purpose] = {}
 
+    def open_at(depth: int) -> bool:
+        """Whether a checkpoint at ``depth`` is new: inside the prefill, neither held nor
+        proposed already."""
+        return lowest < depth <= prompt_len and depth not in held and depth not in own
+
     def propose_own(depth: int, purpose: Purpose) -> None:
-        if lowest < depth <= prompt_len and depth not in held and depth not in own:
+        if open_at(depth):
             own[depth] = purpose
 
     if hint is not None and hint.mode is HintMode.EXPLICIT:
@@ -64,7 +69,7 @@ def propose(ctx: RequestContext, predictions: Mapping[int, float], own_prefix: i
     shared_depths: list[int] = []
     shared_spans: list[int] = []
     branch = branch_depth(ctx, own_prefix)
-    if branch is not None and lowest < branch <= prompt_len and branch not in held and branch not in own:
+    if branch is not None and open_at(branch):
         shared_depths.append(branch)
         shared_spans.append(branch - max([lowest, *(d for d in held if d < branch)]))
     # Content this request computes first may be followed by other sessions (trials of one
