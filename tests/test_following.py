@@ -1,5 +1,5 @@
 """prefix_digests: every prefix and message digest of a prompt from one compiled pass, equal to
-the polynomial they are defined as."""
+the polynomial they are defined as, and the same when they start from another prompt's."""
 
 import numpy as np
 import pytest
@@ -21,8 +21,9 @@ def test_digests_are_the_polynomial_of_each_prefix_and_message(dtype):
     messages = [rng.integers(0, 151_000, n).astype(dtype) for n in (40, 1, 25, 60)]
     prompt = np.concatenate(messages)
     ends = np.cumsum([len(m) for m in messages]).tolist()
-    digests, by_end = prefix_digests(prompt, ends)
-    assert digests == [polynomial(prompt[:end]) for end in ends]
+    digests = prefix_digests(prompt, ends)
+    assert digests.sums.tolist() == [polynomial(prompt[:end]) for end in ends]
+    by_end = digests.message_ends()
     # Each message's digest is its content's alone; the prompt's end has none.
     assert by_end == {end: polynomial(m) for end, m in zip(ends[:-1], messages[:-1])}
 
@@ -30,11 +31,11 @@ def test_digests_are_the_polynomial_of_each_prefix_and_message(dtype):
 def test_a_message_has_one_digest_wherever_it_sits_and_a_trailing_token_zero_counts():
     rng = np.random.default_rng(8)
     a, b, c = (rng.integers(0, 151_000, n).astype(np.int32) for n in (50, 30, 40))
-    _, first = prefix_digests(np.concatenate([a, b, c]), [50, 80, 120])
-    _, moved = prefix_digests(np.concatenate([c, b, a]), [40, 70, 120])
+    first = prefix_digests(np.concatenate([a, b, c]), [50, 80, 120]).message_ends()
+    moved = prefix_digests(np.concatenate([c, b, a]), [40, 70, 120]).message_ends()
     assert first[80] == moved[70]
-    (short,), _ = prefix_digests(a, [50])
-    (longer,), _ = prefix_digests(np.concatenate([a, [0]]).astype(np.int32), [51])
+    (short,) = prefix_digests(a, [50]).sums.tolist()
+    (longer,) = prefix_digests(np.concatenate([a, [0]]).astype(np.int32), [51]).sums.tolist()
     assert short != longer
 
 
@@ -46,6 +47,35 @@ def test_digests_of_messages_of_any_length(lengths, wide, seed):
     messages = [rng.integers(0, 151_000, n).astype(np.int64 if wide else np.int32) for n in lengths]
     prompt = np.concatenate(messages)
     ends = np.cumsum(lengths).tolist()
-    digests, by_end = prefix_digests(prompt, ends)
-    assert digests == [polynomial(prompt[:end]) for end in ends]
-    assert by_end == {end: polynomial(m) for end, m in zip(ends[:-1], messages[:-1])}
+    digests = prefix_digests(prompt, ends)
+    assert digests.sums.tolist() == [polynomial(prompt[:end]) for end in ends]
+    assert digests.message_ends() == {end: polynomial(m) for end, m in zip(ends[:-1], messages[:-1])}
+
+
+@settings(max_examples=300, deadline=None)
+@given(previous=st.lists(st.integers(1, 30), min_size=1, max_size=8), kept=st.integers(0, 250),
+       appended=st.lists(st.integers(1, 30), max_size=4), moved=st.integers(-3, 3), seed=st.integers(0, 2**16))
+def test_digests_started_from_a_previous_prompt_are_those_of_the_prompt_alone(previous, kept, appended, moved, seed):
+    """The next prompt keeps the previous one up to any token (an edit anywhere, or the whole
+    of it) and appends messages; its boundaries may move near the kept end. Starting from the
+    previous prompt's digests changes no digest, whatever the common length told."""
+    rng = np.random.default_rng(seed)
+    before = rng.integers(0, 151_000, sum(previous))
+    known = prefix_digests(before, np.cumsum(previous).tolist())
+    kept = min(kept, before.shape[0])
+    edited = rng.integers(0, 151_000, rng.integers(0, 20))
+    prompt = np.concatenate([before[:kept], edited, rng.integers(0, 151_000, sum(appended))]).astype(np.int64)
+    if prompt.shape[0] == 0:
+        return
+    # Its boundaries: the previous ones it kept (the last of them moved by ``moved``), then new ones.
+    ends = [end for end in np.cumsum(previous).tolist() if end <= kept]
+    if ends:
+        ends[-1] = max(ends[-1] + moved, (ends[-2] if len(ends) > 1 else 0) + 1)
+    ends = sorted({end for end in [*ends, *rng.integers(1, prompt.shape[0] + 1, 3).tolist(), prompt.shape[0]]
+                   if 0 < end <= prompt.shape[0]})
+    common = int(np.argmin(np.append(before[:prompt.shape[0]] == prompt[:before.shape[0]], False)))
+    alone = prefix_digests(prompt, ends)
+    started = prefix_digests(prompt, ends, known, common)
+    assert started.sums.tolist() == alone.sums.tolist() == [polynomial(prompt[:end]) for end in ends]
+    assert started.messages.tolist() == alone.messages.tolist()
+    assert started.boundaries.tolist() == ends and started.length == alone.length

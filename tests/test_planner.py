@@ -25,6 +25,7 @@ from sglang_hybrid.planning.addresses import (
 from sglang_hybrid.planning.edit_model import EditModel
 from sglang_hybrid.planning.ends import closing_of
 from sglang_hybrid.planning.anchor_planning import AnchorPlanning
+from sglang_hybrid.planning.following import prefix_digests
 from sglang_hybrid.planning.planner import CheckpointPlanner
 from sglang_hybrid.planning import planner as planner_module
 from sglang_hybrid.planning.state import (
@@ -123,7 +124,7 @@ class PrefixStore:
         for checkpoint in plan.checkpoints:
             self._take(session, sequence, checkpoint.depth, checkpoint.purpose)
         self.planner.request_finished(session, sequence, DETECTOR.detect(prompt, kept), DETECTOR.output_ending(kept),
-                                      closing_of(kept))
+                                      closing_of(kept), plan.prompt_digests)
         self._take(session, sequence, len(sequence), Purpose.CONTINUATION)
         self.sequences.append(sequence)
         return plan, restored
@@ -802,6 +803,33 @@ def test_a_request_whose_session_is_forgotten_while_it_runs_finishes_unrecorded(
     planning.finished("slow", cached, len(slow_prompt), CheckpointId.device(2), [CheckpointId.device(3)])
     planning.released("slow")
     assert not planner.records
+
+
+def test_a_prompt_starts_its_digests_from_those_of_the_request_its_session_continues():
+    """The digests a session's next prompt starts from are those of the prompt its sequence
+    starts with, even when another request of the session was planned in between: here an
+    edited retry with the same message boundaries, whose digests differ past the edit."""
+    planning = AnchorPlanning(DETECTOR, "adaptive", CheckpointPlanner())
+    session = planning.planner.sessions
+
+    def plan(rid: str, prompt: np.ndarray) -> None:
+        planning.plan(RequestToPlan(rid=rid, prompt=prompt.astype(np.int64), session="s", hint=None,
+                                    restored_depth=0, restored=None, tree_lcp=0, held_depths=(), free_slots=64,
+                                    pool_slots=64))
+        starts = DETECTOR.detect(prompt).of_kind(AnchorKind.MESSAGE_START)
+        alone = prefix_digests(prompt.astype(np.int64), [*starts[(starts > 0) & (starts < len(prompt))].tolist(),
+                                                         len(prompt)])
+        assert session["s"].digests.sums.tolist() == alone.sums.tolist()
+        assert session["s"].digests.messages.tolist() == alone.messages.tolist()
+
+    (first, output), _ = last_n_session(2, tag=0)
+    plan("first", first)
+    retry = first.copy()
+    retry[5] += 1  # inside the system message: every boundary stays where it was
+    plan("retry", retry)
+    cached = np.concatenate([first, output[:-1]]).astype(np.int64)
+    planning.finished("first", cached, len(first), None, [])
+    plan("next", np.concatenate([cached, message("tool", text(9, 30)), [IM_START, QWEN3_ROLE_IDS["assistant"], NL]]))
 
 
 def test_an_ended_session_sending_again_on_a_sweep_keeps_what_it_learned(monkeypatch):

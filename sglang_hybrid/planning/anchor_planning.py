@@ -29,7 +29,7 @@ from sglang_hybrid.anchors.detector import AnchorDetector, AnchorKind, Anchors
 from sglang_hybrid.anchors.hints import HintMode
 from sglang_hybrid.planning.planner import CheckpointPlanner
 from sglang_hybrid.planning.ends import closing_of
-from sglang_hybrid.planning.state import Purpose, RequestContext
+from sglang_hybrid.planning.state import PromptDigests, Purpose, RequestContext
 from sglang_hybrid.cache.planning import CheckpointId, RequestToPlan
 from sglang_hybrid.kernels import MIN_CAPTURE_SPACING
 
@@ -49,10 +49,11 @@ class AnchorPlanning:
         self.planner = planner
         self.evicts_by_value = planner is not None and evict_by_value
         # rid -> session, depth -> purpose of what was planned for it, and (adaptive) its
-        # prompt's anchors, until it leaves.
+        # prompt's anchors and digests, until it leaves.
         self._sessions: dict[str, str] = {}
         self._purposes: dict[str, dict[int, Purpose]] = {}
         self._prompt_anchors: dict[str, Anchors] = {}
+        self._prompt_digests: dict[str, PromptDigests] = {}
 
     def plan(self, request: RequestToPlan) -> list[int]:
         session = request.session or self._session_of(request.restored) or request.rid
@@ -80,6 +81,7 @@ class AnchorPlanning:
                 pool_slots=request.pool_slots,
                 hint=hint,
             ))  # fmt: skip
+            self._prompt_digests[request.rid] = plan.prompt_digests
             return [(c.depth, c.purpose, c.value) for c in plan.checkpoints]
         mode = hint.mode if hint is not None else None
         if mode is HintMode.NONE or (mode is None and self.mode == "none"):
@@ -139,7 +141,7 @@ class AnchorPlanning:
             else:
                 anchors = self.detector.detect(cached[:prompt_len], output)
             self.planner.request_finished(session, cached, anchors, self.detector.output_ending(output),
-                                          closing_of(output))
+                                          closing_of(output), self._prompt_digests.get(rid))
             if end is not None:
                 self.planner.record_checkpoint(end, session, len(cached), Purpose.CONTINUATION)
         self.planner.forget(free)
@@ -152,6 +154,7 @@ class AnchorPlanning:
         self._sessions.pop(rid, None)
         self._purposes.pop(rid, None)
         self._prompt_anchors.pop(rid, None)
+        self._prompt_digests.pop(rid, None)
 
 
 def _spaced(wanted: list[tuple[int, Purpose, float]]) -> list[tuple[int, Purpose, float]]:

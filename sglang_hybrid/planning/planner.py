@@ -42,8 +42,8 @@ from sglang_hybrid.planning.ends import SessionEnds
 from sglang_hybrid.planning.following import PrefixProducers, follow
 from sglang_hybrid.planning.held_values import HeldValues
 from sglang_hybrid.planning.state import (
-    FORGET_AFTER_GAPS, FORGET_SWEEP_REQUESTS, PRIOR_EDITS, SHARED_PURPOSES, CheckpointPlan, Purpose,
-    Record, RequestContext, Session, StreamStats,
+    FORGET_AFTER_GAPS, FORGET_SWEEP_REQUESTS, PRIOR_EDITS, SHARED_PURPOSES, CheckpointPlan, PromptDigests,
+    Purpose, Record, RequestContext, Session, StreamStats,
 )
 from sglang_hybrid.planning.valuation import (
     checkpoint_value, edit_probability, followed_value, mean_gap, shared_prior, shared_value,
@@ -112,7 +112,7 @@ class CheckpointPlanner:
             if restored.purpose is Purpose.SHARED_PATH and restored.session != ctx.session and not restored.followed:
                 restored.followed = True
                 self.stream.shared_followed += 1
-        follow(self._producers, ctx.session, ctx.prompt_ids, ctx.anchors, self.sessions, self.stream)
+        follow(self._producers, ctx.session, ctx.prompt_ids, ctx.anchors, own_prefix, self.sessions, self.stream)
 
         index = AnchorIndex(ctx.anchors, prompt_len)
         if session.model is not None:
@@ -138,7 +138,7 @@ class CheckpointPlanner:
             candidates.own, self._shared_candidates(ctx.session, candidates),
             lambda depth, purpose, planned: self._candidate_value(ctx.session, depth, purpose, planned),
             ctx.free_slots, self._held.ascending,
-        ))  # fmt: skip
+        ), session.digests)  # fmt: skip
 
     def _learn_transition(self, session: Session, prompt: np.ndarray) -> int:
         """Learn from how this prompt continues the session's previous request; return the
@@ -194,17 +194,19 @@ class CheckpointPlanner:
     # ---- bookkeeping after a request ----
 
     def request_finished(self, session: str, sequence: np.ndarray, anchors: Anchors, ending: int,
-                         closing: Optional[tuple[int, ...]]) -> None:
+                         closing: Optional[tuple[int, ...]], prompt_digests: Optional[PromptDigests]) -> None:
         """``session``'s request left ``sequence`` in the tree (prompt + the output its state
         covers; ``anchors`` detected on it; its output ended with ``ending``,
         ``AnchorDetector.output_ending``, and with the tokens ``closing``, its last
-        ``CLOSING_TOKENS``, None if it had none): the session's next request is compared
-        with it, expected to append as often as requests after such an output did, and to
-        come at all as often as sessions did after an output closing alike."""
+        ``CLOSING_TOKENS``, None if it had none; ``prompt_digests``: its plan's, None if not
+        known): the session's next request is compared with it, expected to append as often as
+        requests after such an output did, and to come at all as often as sessions did after
+        an output closing alike."""
         owner = self.sessions.get(session)
         if owner is None:
             raise KeyError(f"session {session!r} was never planned")
         owner.sequence, owner.index = sequence, AnchorIndex(anchors, int(sequence.shape[0]))
+        owner.digests = prompt_digests
         owner.ending, owner.closing = ending, closing
         self._ends.finished(session, owner, self.stream)
         self._held.changed(session)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass, field
 from enum import IntEnum
-from typing import Optional, Sequence
+from typing import NamedTuple, Optional, Sequence
 
 import numpy as np
 
@@ -96,12 +96,29 @@ class PlannedCheckpoint:
     value: float  # expected recomputed tokens saved, the admission criterion
 
 
+class PromptDigests(NamedTuple):
+    """A prompt's prefix digests at its message boundaries (``following.prefix_digests``)."""
+
+    boundaries: np.ndarray  # int64, ascending: the ends of the prefixes
+    sums: np.ndarray  # uint64: the digest of each prefix
+    messages: np.ndarray  # uint64: the digest of the message ending at each boundary
+    length: int  # of the prompt
+
+    def message_ends(self) -> dict[int, int]:
+        """Depth -> digest of the message ending there, but at the prompt's end (the prompt's
+        last message is not complete)."""
+        return {depth: message for depth, message in zip(self.boundaries.tolist(), self.messages.tolist())
+                if depth < self.length}
+
+
 @dataclass(frozen=True)
 class CheckpointPlan:
     """Checkpoints to capture during the request's prefill, sorted by depth, all in
-    (restored depth, len(prompt)]."""
+    (restored depth, len(prompt)]; and the prompt's digests, which the request's finish hands
+    back (``CheckpointPlanner.request_finished``)."""
 
     checkpoints: tuple[PlannedCheckpoint, ...]
+    prompt_digests: PromptDigests
 
     @property
     def depths(self) -> list[int]:
@@ -142,6 +159,9 @@ class Follow:
 class Session:
     last_clock: int
     sequence: Optional[np.ndarray] = None  # prompt + output of the latest request
+    # The digests of the prompt ``sequence`` starts with (None: not known), which the next
+    # prompt's digests start from.
+    digests: Optional[PromptDigests] = None
     index: Optional[AnchorIndex] = None
     transitions: int = 0  # requests that followed an earlier request of the session
     edits: int = 0  # of those, requests that diverged before the earlier request's end
