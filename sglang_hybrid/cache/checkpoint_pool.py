@@ -13,7 +13,7 @@ two-pool accounting (``pool_stats_observer``, ``invariant_checker``) and run the
 the forward stream (``ModelRunner`` calls ``load_to_active`` for deferred copy-on-write).
 Unlike the int8 store it keeps full precision, so a restored state is bit-identical.
 
-Slot 0 is reserved, as in ``MambaSlotAllocator``; slots handed out are 1..num_slots.
+Slot 0 is reserved, as in SGLang's ``MambaSlotAllocator``; slots handed out are 1..num_slots.
 Recency (LRU) and lock counts for checkpoints live on the radix-tree nodes that own the
 slots (SGLang's MAMBA LRU list and ``lock_ref``), not here: one place decides eviction.
 """
@@ -26,9 +26,8 @@ from typing import Optional, Sequence
 
 import torch
 
-from sglang.srt.mem_cache.allocator.mamba import MambaSlotAllocator
-
 from sglang_hybrid.cache.host_tier import HostCheckpointTier
+from sglang_hybrid.cache.slots import SlotFreeList
 from sglang_hybrid.kernels import INTERPRET as KERNELS_INTERPRETED
 from sglang_hybrid.kernels import copy_states, slot_major_pool
 from sglang_hybrid.kernels.reference import copy_states_reference
@@ -103,7 +102,7 @@ class StateCheckpointPool:
         self.device = torch.device(device)
         # Row 0 is the reserved dummy slot.
         self.conv, self.temporal = layout.allocate(num_slots + 1, self.device)
-        self.allocator = MambaSlotAllocator(size=num_slots, device=self.device)
+        self.slots = SlotFreeList(num_slots, self.device)
         # Where device evictions go instead of being dropped; None keeps one tier.
         self.host_tier = HostCheckpointTier(layout, host_slots, self) if host_slots else None
 
@@ -116,28 +115,26 @@ class StateCheckpointPool:
     # ---- slot lifecycle ----
 
     def alloc(self, n: int = 1) -> Optional[torch.Tensor]:
-        return self.allocator.alloc(n)
+        return self.slots.alloc(n)
 
     def free(self, slots: torch.Tensor) -> None:
-        self.allocator.free(slots.view(-1).to(torch.int64))
+        self.slots.free(slots)
 
     def available_size(self) -> int:
-        return self.allocator.available_size()
+        return self.slots.available_size()
 
     def used_size(self) -> int:
         return self.num_slots - self.available_size()
 
     def free_slot_ids(self) -> Sequence[int]:
-        return self.allocator.free_slots.tolist()
+        return self.slots.free_slot_ids()
 
     def is_allocated(self, slots: torch.Tensor) -> bool:
         """Whether every one of ``slots`` is a slot of this pool that ``alloc`` handed out."""
-        slots = slots.view(-1).to(torch.int64)
-        in_range = bool(((slots >= 1) & (slots <= self.num_slots)).all())
-        return in_range and not bool(torch.isin(slots, self.allocator.free_slots.to(slots.device)).any())
+        return self.slots.is_allocated(slots)
 
     def clear(self) -> None:
-        self.allocator.clear()
+        self.slots.clear()
         if self.host_tier is not None:
             self.host_tier.clear()
 

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
-from sglang.srt.mem_cache.allocator.mamba import MambaSlotAllocator
+from sglang_hybrid.cache.slots import SlotFreeList
 
 if TYPE_CHECKING:
     from sglang_hybrid.cache.checkpoint_pool import StateCheckpointPool, StateLayout
@@ -43,32 +43,32 @@ class HostCheckpointTier:
         self.storage, self.conv, self.temporal = layout.allocate_slot_major(
             num_slots + 1, "cpu", pin_memory=self.on_gpu
         )
-        self.allocator = MambaSlotAllocator(size=num_slots, device="cpu")
+        self.slots = SlotFreeList(num_slots, "cpu")
         self.stream = torch.cuda.Stream(device=device_pool.device) if self.on_gpu else None
         # (event, device slot) of demotions in flight: the slot is freed when the copy is done.
-        self._pending_device_frees: deque[tuple[torch.cuda.Event, torch.Tensor]] = deque()
+        self._pending_device_frees: deque[tuple[torch.cuda.Event, int]] = deque()
 
     def alloc(self) -> Optional[torch.Tensor]:
-        return self.allocator.alloc(1)
+        return self.slots.alloc(1)
 
     def free(self, slot: torch.Tensor) -> None:
-        self.allocator.free(slot.view(-1).to(torch.int64))
+        self.slots.free(slot)
 
     def used_size(self) -> int:
-        return self.num_slots - self.allocator.available_size()
+        return self.num_slots - self.slots.available_size()
 
     def free_slot_ids(self) -> list[int]:
-        return self.allocator.free_slots.tolist()
+        return self.slots.free_slot_ids()
 
     def clear(self) -> None:
-        self.allocator.clear()
+        self.slots.clear()
 
     def demote(self, device_slot: torch.Tensor, host_slot: torch.Tensor) -> None:
         """Copy a device checkpoint to ``host_slot``, then give ``device_slot`` back."""
         pool, d, h = self.device_pool, int(device_slot), int(host_slot)
         if not self.on_gpu:
             pool.copy_slots(pool.conv, pool.temporal, self.conv, self.temporal, _slot(d), _slot(h))
-            pool.free(device_slot)
+            pool.slots.free_ids([d])
             return
         self.stream.wait_stream(torch.cuda.current_stream(pool.device))
         with torch.cuda.stream(self.stream):
@@ -79,7 +79,7 @@ class HostCheckpointTier:
             self.storage[h].copy_(staging[0], non_blocking=True)
             done = torch.cuda.Event()
             done.record(self.stream)
-        self._pending_device_frees.append((done, device_slot))
+        self._pending_device_frees.append((done, d))
 
     def promote(self, host_slot: torch.Tensor, device_slot: torch.Tensor) -> None:
         """Copy a host checkpoint into ``device_slot``; the host slot is given back."""
@@ -127,11 +127,11 @@ class HostCheckpointTier:
         for _ in range(count):
             done, slot = self._pending_device_frees.popleft()
             done.synchronize()
-            self.device_pool.free(slot)
+            self.device_pool.slots.free_ids([slot])
 
     def pending_device_slots(self) -> list[int]:
         """Device slots of demotions in flight, oldest first: neither free nor in the tree."""
-        return [int(slot) for _, slot in self._pending_device_frees]
+        return [slot for _, slot in self._pending_device_frees]
 
 
 def _slot(index: int, device="cpu") -> torch.Tensor:

@@ -264,19 +264,17 @@ class SemanticMambaComponent(MambaComponent):
                 victim, slot, value = next(victims, (None, None, None))
                 if victim is None:
                     break
-                device_slot = self._tombstone(victim, slot, value)
-                if device_slot is not None:
-                    freed.append(device_slot)
+                if self._tombstone(victim, slot, value):
+                    freed.append(slot)
                 evicted += 1
         finally:
-            if freed:
-                self.checkpoint_pool.free(torch.cat(freed))
+            self.checkpoint_pool.slots.free_ids(freed)
         return evicted
 
-    def _tombstone(self, victim: "UnifiedTreeNode", slot: int, value: Optional[float]) -> Optional[torch.Tensor]:
+    def _tombstone(self, victim: "UnifiedTreeNode", slot: int, value: Optional[float]) -> bool:
         """Take ``victim``'s checkpoint (in device slot ``slot``) off the tree: demoted to the
-        host tier, or dropped; return the device slot to free (None: the tier hands it back
-        once its copy is done)."""
+        host tier, or dropped; return whether its device slot is free now (else the tier hands
+        it back once its copy is done)."""
         device_slot = victim.component_data[MAMBA].value
         # The stock tombstoning (sizes, host LRU), not this class's, which drops a host copy.
         MambaComponent.evict_component(self, victim, {MAMBA: []}, {}, [], target=EvictLayer.DEVICE)
@@ -286,10 +284,10 @@ class SemanticMambaComponent(MambaComponent):
             lru.remove_node(victim)
         self.tree_core._update_evictable_leaf_sets(victim)
         if self._demote(victim, device_slot, value):
-            return None
+            return False
         self.cache.stats.evicted += 1
         self.cache.checkpoint_evicted(CheckpointId.device(slot))
-        return device_slot
+        return True
 
     def _touched(self, node: "UnifiedTreeNode") -> None:
         """``node``'s checkpoint went to the MRU end of the MAMBA LRU list."""
