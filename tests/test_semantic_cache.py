@@ -204,6 +204,28 @@ def test_a_planning_that_evicts_by_value_overrides_recency():
     assert driver.match(driver.new_request(shallow + [1, 4]), cow=False).device_prefix_len == 0
 
 
+def test_a_request_makes_room_for_its_generation_end_when_it_is_planned():
+    """The eviction call at a request's plan frees a slot for the state its finish keeps as
+    well: the finish takes that slot without valuing the pool again."""
+    driver = build("semantic", checkpoint_slots=2, planning=ValueByDepth())
+    serve(driver, [41] * 30, [1])
+    serve(driver, [42] * 40, [1])
+    calls = []
+    evict = driver.cache.evict_checkpoints
+    driver.cache.evict_checkpoints = lambda num: calls.append(num) or evict(num)
+    req = driver.new_request([43] * 50, [1])
+    driver.admit(req)
+    driver.start([req])
+    assert calls == [1] and driver.cache.checkpoint_pool.available_size() == 1
+    write_live_state(driver.tree, req.kv.mamba_pool_idx, req.full_untruncated_fill_ids)
+    driver.finish(req)
+    assert calls == [1] and driver.cache.checkpoint_pool.available_size() == 0
+    # The shallowest went (ValueByDepth), and the new generation end is held.
+    assert driver.match(driver.new_request([41] * 30 + [1, 5]), cow=False).device_prefix_len == 0
+    assert driver.match(driver.new_request([43] * 50 + [1, 5]), cow=False).device_prefix_len == 51
+    assert_slot_accounting(driver)
+
+
 def test_locked_checkpoint_survives_pressure_until_its_request_finishes():
     driver = build("semantic", checkpoint_slots=2)
     base = [31] * 40

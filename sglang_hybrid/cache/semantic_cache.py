@@ -226,8 +226,10 @@ class SemanticStateCache(UnifiedRadixCache):
         ))  # fmt: skip
         # Every slot is taken (and staged, so that ``abandon_checkpoints`` frees it if the
         # planning fails) before the planning hears of any: the evictions that make room are
-        # judged on the values the plan was made with, in one eviction call.
-        missing = len(depths) - self.checkpoint_pool.available_size()
+        # judged on the values the plan was made with, in one eviction call. It also makes room
+        # for the generation-end state the request's finish keeps: valuing the pool for that
+        # slot on its own cost a second eviction call per request, on the finish path.
+        missing = len(depths) + 1 - self.checkpoint_pool.available_size()
         if missing > 0 and self.checkpoint_pool.num_slots > 0:
             self.evict_checkpoints(missing)
         staged = []
