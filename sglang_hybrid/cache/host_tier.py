@@ -63,9 +63,10 @@ class HostCheckpointTier:
     def clear(self) -> None:
         self.slots.clear()
 
-    def demote(self, device_slot: torch.Tensor, host_slot: torch.Tensor) -> None:
-        """Copy a device checkpoint to ``host_slot``, then give ``device_slot`` back."""
-        pool, d, h = self.device_pool, int(device_slot), int(host_slot)
+    def demote(self, device_slot: int, host_slot: torch.Tensor) -> None:
+        """Copy a device checkpoint to ``host_slot``, then give ``device_slot`` back (an index the
+        caller knows: reading it off a device tensor would wait for the device)."""
+        pool, d, h = self.device_pool, device_slot, int(host_slot)
         if not self.on_gpu:
             pool.copy_slots(pool.conv, pool.temporal, self.conv, self.temporal, _slot(d), _slot(h))
             pool.slots.free_ids([d])

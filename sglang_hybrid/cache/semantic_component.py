@@ -124,8 +124,9 @@ class SemanticMambaComponent(MambaComponent):
             return True
         return super().node_has_component_data(node, target)
 
-    def _demote(self, node: "UnifiedTreeNode", device_slot: torch.Tensor, value: Optional[float]) -> bool:
-        """Move a device victim's state to the host tier; False when the tier keeps none.
+    def _demote(self, node: "UnifiedTreeNode", device_slot: int, value: Optional[float]) -> bool:
+        """Move a device victim's state (in ``device_slot``) to the host tier; False when the
+        tier keeps none.
 
         ``value`` is the victim's worth (None when eviction follows recency). A full tier
         makes room by dropping its least valuable checkpoint, unless the victim is worth no
@@ -275,7 +276,6 @@ class SemanticMambaComponent(MambaComponent):
         """Take ``victim``'s checkpoint (in device slot ``slot``) off the tree: demoted to the
         host tier, or dropped; return whether its device slot is free now (else the tier hands
         it back once its copy is done)."""
-        device_slot = victim.component_data[MAMBA].value
         # The stock tombstoning (sizes, host LRU), not this class's, which drops a host copy.
         MambaComponent.evict_component(self, victim, {MAMBA: []}, {}, [], target=EvictLayer.DEVICE)
         self.slot_held[slot] = False
@@ -283,7 +283,7 @@ class SemanticMambaComponent(MambaComponent):
         if lru.in_list(victim):
             lru.remove_node(victim)
         self.tree_core._update_evictable_leaf_sets(victim)
-        if self._demote(victim, device_slot, value):
+        if self._demote(victim, slot, value):
             return False
         self.cache.stats.evicted += 1
         self.cache.checkpoint_evicted(CheckpointId.device(slot))
