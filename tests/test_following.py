@@ -40,9 +40,10 @@ def test_a_message_has_one_digest_wherever_it_sits_and_a_trailing_token_zero_cou
 
 
 @settings(max_examples=200, deadline=None)
-@given(lengths=st.lists(st.integers(1, 30), min_size=1, max_size=8), wide=st.booleans(), seed=st.integers(0, 2**16))
+@given(lengths=st.lists(st.integers(1, 100), min_size=1, max_size=8), wide=st.booleans(), seed=st.integers(0, 2**16))
 def test_digests_of_messages_of_any_length(lengths, wide, seed):
-    """Messages shorter and longer than the compiled loop's lanes, starting anywhere in them."""
+    """Messages shorter than the compiled loop's rows of lanes (32 tokens), of several rows,
+    and of rows and a remainder."""
     rng = np.random.default_rng(seed)
     messages = [rng.integers(0, 151_000, n).astype(np.int64 if wide else np.int32) for n in lengths]
     prompt = np.concatenate(messages)
