@@ -118,7 +118,7 @@ def admit(
     shared: SharedCandidates,
     own_value: Callable[[int, Purpose, list[int]], float],
     free_slots: int,
-    held_values: Callable[[], np.ndarray],
+    held_values: Callable[[int], np.ndarray],
 ) -> tuple[PlannedCheckpoint, ...]:
     """The candidates worth their slot, by depth, admitted most valuable first.
 
@@ -126,7 +126,8 @@ def admit(
     beside the own ones already admitted (two checkpoints before one restore point save what
     the deeper one saves, once); ``shared``: those serving other sessions, valued on their
     own. While ``free_slots`` last a positive value is enough; then a candidate must be worth
-    more than the lowest of ``held_values()`` (lowest first) it would displace."""
+    more than the lowest held value it would displace (``held_values(n)``: the n lowest,
+    lowest first)."""
     own = list(own)
     # Shared candidates, most valuable last (the shallower first among equals).
     order = np.lexsort((-np.asarray(shared.depths, dtype=np.int64), shared.values)).tolist()
@@ -161,7 +162,9 @@ def admit(
                 continue
         else:
             if held is None:
-                held = held_values().tolist()
+                # Each admission displaces at most one: no more can be read than there are
+                # candidates.
+                held = held_values(len(own) + len(order) + 1).tolist()
             if displaced == len(held) or value <= held[displaced]:
                 # The most valuable candidate left cannot displace the least valuable held
                 # checkpoint: none can, but a hint.

@@ -137,7 +137,7 @@ class CheckpointPlanner:
         return CheckpointPlan(admit(
             candidates.own, self._shared_candidates(ctx.session, candidates),
             lambda depth, purpose, planned: self._candidate_value(ctx.session, depth, purpose, planned),
-            ctx.free_slots, self._held.ascending,
+            ctx.free_slots, self._held.lowest,
         ), session.digests)  # fmt: skip
 
     def _learn_transition(self, session: Session, prompt: np.ndarray) -> int:
