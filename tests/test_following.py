@@ -1,12 +1,14 @@
 """prefix_digests: every prefix and message digest of a prompt from one compiled pass, equal to
-the polynomial they are defined as, and the same when they start from another prompt's."""
+the polynomial they are defined as, and the same when they start from another prompt's.
+PrefixProducers: each prefix's first sender, the least recently sent forgotten first."""
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sglang_hybrid.planning.following import MULTIPLIER, prefix_digests
+from sglang_hybrid.planning.following import MULTIPLIER, PrefixProducers, prefix_digests
+from sglang_hybrid.planning.state import Follow
 
 MODULUS = 1 << 64
 
@@ -80,3 +82,15 @@ def test_digests_started_from_a_previous_prompt_are_those_of_the_prompt_alone(pr
     assert started.sums.tolist() == alone.sums.tolist() == [polynomial(prompt[:end]) for end in ends]
     assert started.messages.tolist() == alone.messages.tolist()
     assert started.boundaries.tolist() == ends and started.length == alone.length
+
+
+def test_prefix_producers_keep_each_first_sender_and_forget_the_least_recently_sent():
+    producers = PrefixProducers(capacity=3)
+    producers.remember([1, 2], "a", clock=1)
+    producers.remember([1, 3], "b", clock=2)  # 1 stays a's, sent again: now more recent than 2
+    producers.remember([4], "c", clock=3)  # one over the capacity: 2 is forgotten
+    assert producers.leader("d", [10], [1, 3], {10: 7}) == Follow("b", 2, True, 7)
+    assert producers.leader("d", [10], [1, 4], {10: 7}) == Follow("c", 3, True, 7)
+    assert producers.leader("d", [10], [1, 2], {10: 7}) is None
+    assert producers.leader("d", [10, 20], [4, 1, 9], {10: 7, 20: 8}) == Follow("a", 1, False, 8)
+    assert producers.leader("a", [10], [3, 1], {10: 7}) is None  # its own prompt
