@@ -1,10 +1,12 @@
-"""common_prefix_length: compiled, compared in blocks; the same as comparing token by token."""
+"""common_prefix_length and positions_at_least: compiled, reading blocks of tokens at once; the
+same as comparing token by token."""
 
 import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sglang_hybrid.tokens import common_prefix_length
+from sglang_hybrid.anchors.special_tokens import QWEN3_SPECIAL_IDS
+from sglang_hybrid.tokens import common_prefix_length, positions_at_least
 
 
 @settings(max_examples=300, deadline=None)
@@ -23,3 +25,20 @@ def test_common_prefix_length_is_where_the_first_token_differs(length, kept, ext
     shorter = min(a.shape[0], b.shape[0])
     expected = next((i for i in range(shorter) if a[i] != b[i]), shorter)
     assert common_prefix_length(a, b) == common_prefix_length(b, a) == expected
+
+
+@settings(max_examples=300, deadline=None)
+@given(length=st.integers(0, 400), specials=st.lists(st.integers(0, 399), max_size=20),
+       dtype=st.sampled_from([np.int32, np.int64]), strided=st.booleans(), seed=st.integers(0, 2**16))
+def test_special_tokens_are_found_wherever_they_sit(length, specials, dtype, strided, seed):
+    """The compiled scan reads blocks of tokens at once: special tokens at a block's edges, in
+    the last partial block, several in one block, none at all; either dtype, any stride."""
+    rng = np.random.default_rng(seed)
+    lo = QWEN3_SPECIAL_IDS["<|im_start|>"]
+    ids = rng.integers(0, lo, length)
+    at = [s for s in specials if s < length]
+    ids[at] = rng.integers(lo, lo + 20, len(at))
+    ids = ids.astype(dtype)
+    if strided:
+        ids = np.repeat(ids, 2)[::2]
+    assert positions_at_least(ids, lo).tolist() == np.flatnonzero(ids >= lo).tolist()

@@ -20,6 +20,7 @@ import numba
 import numpy as np
 
 from sglang_hybrid.anchors import special_tokens as tok
+from sglang_hybrid.tokens import positions_at_least
 
 logger = logging.getLogger(__name__)
 
@@ -141,7 +142,7 @@ class _Grammar:
             pos = np.flatnonzero(ids < self.special_hi)
             toks = ids[pos]
         else:
-            pos = _positions_at_least(ids, self.special_lo)
+            pos = positions_at_least(ids, self.special_lo)
             toks = ids[pos]
             in_range = toks < self.special_hi
             if not in_range.all():
@@ -154,50 +155,6 @@ class _Grammar:
     def find(self, ids: np.ndarray, pos: np.ndarray, toks: np.ndarray, out: _Collector) -> None:
         """Add the anchors of ``ids`` given its special tokens ``toks`` at ``pos``."""
         raise NotImplementedError
-
-
-def _positions_at_least(ids: np.ndarray, lo: int) -> np.ndarray:
-    """``np.flatnonzero(ids >= lo)``: where a prompt has a token of the special range (above
-    every ordinary word's id, in every family with ``special_lo`` > 0)."""
-    if ids.dtype != np.int32 and ids.dtype != np.int64:
-        ids = ids.astype(np.int64)
-    return _compiled_positions_at_least(np.ascontiguousarray(ids), lo)
-
-
-# Tokens read at once: a block's comparisons carry no branch, so they run as vector
-# instructions; a block holding a special token is then read token by token.
-_BLOCK = 64
-
-
-@numba.njit(["i8[::1](i4[::1], i8)", "i8[::1](i8[::1], i8)"], cache=True)
-def _compiled_positions_at_least(ids, lo):
-    """Compiled: numpy's comparison and ``flatnonzero`` (slow on a sparse mask) cost ~90 us at
-    128k tokens, this ~36; about the same (~8 us) at 8k, where most blocks hold a special
-    token. A hit block's positions are all written and kept by advancing the count: no branch
-    to mispredict at each special token. ``hit`` is an int: numba vectorizes an int's
-    or-reduction, not a bool's (58 us)."""
-    n = ids.shape[0]
-    whole = n // _BLOCK * _BLOCK
-    found = np.empty(4 * _BLOCK, dtype=np.int64)
-    count = 0
-    start = 0
-    while start < n:
-        hit = 0
-        if start < whole:
-            for offset in range(_BLOCK):
-                hit |= ids[start + offset] >= lo
-        else:
-            hit = 1  # the last, partial block is read token by token
-        if hit:
-            if count + _BLOCK > found.shape[0]:
-                grown = np.empty(2 * found.shape[0], dtype=np.int64)
-                grown[:count] = found[:count]
-                found = grown
-            for i in range(start, min(start + _BLOCK, n)):
-                found[count] = i
-                count += ids[i] >= lo
-        start += _BLOCK
-    return found[:count].copy()
 
 
 def _next_token(ids: np.ndarray, pos: np.ndarray, offset: int) -> np.ndarray:
@@ -224,7 +181,7 @@ class _ChatMLGrammar(_Grammar):
     read on every request's prompt: detected by ``_chatml_anchors``, compiled, where the
     other grammars' ~40 array operations cost ~70 us on any prompt (a 100-message prompt of
     8k tokens: 14 us instead of 71; of 128k: 44 instead of 162, most of it finding the
-    special tokens, ``_positions_at_least``)."""
+    special tokens, ``tokens.positions_at_least``)."""
 
     def __init__(self, family: str, special_ids: Mapping[str, int], role_ids: Mapping[str, int], newline_id: int):
         self.family = family
@@ -239,7 +196,7 @@ class _ChatMLGrammar(_Grammar):
     def detect(self, ids: np.ndarray, prompt_len: int) -> Anchors:
         if ids.dtype != np.int32 and ids.dtype != np.int64:
             ids = ids.astype(np.int64)
-        return Anchors(*_chatml_anchors(ids, _positions_at_least(ids, self.special_lo), prompt_len, self.special_hi,
+        return Anchors(*_chatml_anchors(ids, positions_at_least(ids, self.special_lo), prompt_len, self.special_hi,
                                         self._tokens, self._role_words, self._roles))
 
 
