@@ -99,11 +99,13 @@ class HeldValues:
         self._values = np.zeros(0)
         self._live = np.zeros(0, dtype=bool)
         self._checkpoints: list[Optional[CheckpointId]] = []  # by row
-        # By session index: its quantities for the clock tick of the values; its rows, and of
-        # those its own checkpoints'.
+        # By session index: its quantities for the clock tick of the values; its rows, of
+        # those its own checkpoints' and its shared-path ones' (which its followers' restores
+        # add to).
         self._quantities = SessionQuantities(sessions, stream)
         self._rows_of: dict[int, set[int]] = {}
         self._own_rows_of: dict[int, set[int]] = {}
+        self._path_rows_of: dict[int, set[int]] = {}
         self._clock: Optional[int] = None
         # Since the values were computed: sessions changed (their counters and own rows are
         # read again and all their rows valued), sessions whose checkpoints alone changed
@@ -133,6 +135,8 @@ class HeldValues:
         if not shared:
             self._own_rows_of.setdefault(session, set()).add(row)
             self._paths_changed.add(session)  # its own columns are read with its session's
+        elif record.purpose is Purpose.SHARED_PATH:
+            self._path_rows_of.setdefault(session, set()).add(row)
         self._table[row] = 0.0
         self._table[row, SESSION:HINT + 1] = (
             session, shared, record.purpose is Purpose.BRANCH, record.purpose is Purpose.HINT)
@@ -154,7 +158,7 @@ class HeldValues:
         self._values[row] = 0.0
         self._checkpoints[row] = None
         self._changed_rows.discard(row)
-        for rows_of in (self._rows_of, self._own_rows_of):
+        for rows_of in (self._rows_of, self._own_rows_of, self._path_rows_of):
             rows = rows_of.get(session)
             if rows is not None:
                 rows.discard(row)
@@ -256,16 +260,19 @@ class HeldValues:
         _value_rows(self._table, rows, quantities.gap, quantities.edit_weight, quantities.appends, quantities.edit,
                     quantities.alive, self._clock, restore_horizon(stream), shared_prior(Purpose.SHARED_PATH, stream),
                     shared_prior(Purpose.BRANCH, stream), self._values)
-        # Plus, for a leader's shared-path checkpoints, what its followers will restore.
-        leaders = [index for index in sessions if quantities.session(index).followers]
+        # Plus, for a leader's shared-path checkpoints, what its followers will restore. Only
+        # the few sessions holding such checkpoints are asked whether they lead: asking each
+        # of a thousand slots' ~64 sessions cost ~25 us a request.
+        leaders = [index for index in sessions if index in self._path_rows_of and quantities.session(index).followers]
         if leaders:
-            table = self._table[rows]
-            following = ((table[:, SHARED] > 0.0) & (table[:, BRANCH] == 0.0)
-                         & np.isin(table[:, SESSION].astype(np.int64), leaders))
-            for row in rows[following].tolist():
-                record = self._records[self._checkpoints[row]]
-                owner = self._sessions[record.session]
-                self._values[row] += followed_value(owner, record, self._sessions, stream)
+            evaluated = np.zeros(self._live.shape[0], dtype=bool)
+            evaluated[rows] = True
+            for index in leaders:
+                for row in sorted(self._path_rows_of[index]):
+                    if evaluated[row]:
+                        record = self._records[self._checkpoints[row]]
+                        owner = self._sessions[record.session]
+                        self._values[row] += followed_value(owner, record, self._sessions, stream)
 
     # ---- reading the planner's sessions ----
 
