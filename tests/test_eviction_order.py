@@ -159,14 +159,17 @@ def test_held_values_equal_fresh_valuations_after_every_change(seed, slots, step
         for step, _ in drive(random_sessions(seed, steps), [policy]):
             assert_values_are_fresh(planner)
             # A request's candidates serving other sessions are valued in bulk: the same values.
-            pairs = [(depth, purpose) for depth in range(1, step.prompt_len, 7)
-                     for purpose in (Purpose.SHARED_PATH, Purpose.BRANCH)]
+            # (Branch points first, as ``propose`` gives them.)
+            pairs = [(depth, purpose) for purpose in (Purpose.BRANCH, Purpose.SHARED_PATH)
+                     for depth in range(1, step.prompt_len, 7)]
             session = step.request.session
             spans = planner.sessions[session].planned_spans
+            paths = sum(purpose is Purpose.SHARED_PATH for _, purpose in pairs)
             candidates = Candidates([], [depth for depth, _ in pairs], [purpose for _, purpose in pairs],
-                                    [spans.get(depth, depth) for depth, _ in pairs], 0)
+                                    [spans.get(depth, depth) for depth, _ in pairs], paths)
             bulk = planner._shared_candidates(session, candidates).values.tolist()
-            assert bulk == [planner._candidate_value(session, depth, purpose, ()) for depth, purpose in pairs]
+            assert bulk == [checkpoint_value(planner._new_record(session, depth, purpose), None, planner.sessions,
+                                             planner.stream) for depth, purpose in pairs]
             for _ in range(2):
                 policy.cache.evict_checkpoints(1)
                 assert_values_are_fresh(policy.planner)

@@ -46,7 +46,7 @@ from sglang_hybrid.planning.state import (
     Purpose, Record, RequestContext, Session, StreamStats,
 )
 from sglang_hybrid.planning.valuation import (
-    checkpoint_value, edit_probability, followed_value, mean_gap, shared_prior, shared_value,
+    edit_probability, followed_value, mean_gap, own_outlook, own_value, shared_prior, shared_value,
 )
 from sglang_hybrid.tokens import common_prefix_length
 
@@ -134,9 +134,11 @@ class CheckpointPlanner:
         candidates = propose(ctx, session.predictions, own_prefix)
         session.planned_spans = dict(zip(candidates.shared_depths, candidates.shared_spans))
         self.stream.shared_proposed += candidates.shared_paths
+        outlook = own_outlook(session, self.stream)
         return CheckpointPlan(admit(
             candidates.own, self._shared_candidates(ctx.session, candidates),
-            lambda depth, purpose, planned: self._candidate_value(ctx.session, depth, purpose, planned),
+            lambda depth, purpose, planned: own_value(
+                session, self._new_record(ctx.session, depth, purpose), None, self.stream, planned, outlook),
             ctx.free_slots, self._held.lowest,
         ), session.digests)  # fmt: skip
 
@@ -178,8 +180,8 @@ class CheckpointPlanner:
         starts come by the hundred): ``checkpoint_value`` of each as a new record."""
         owner = self.sessions[session]
         depths, purposes = candidates.shared_depths, candidates.shared_purposes
-        prior = {purpose: shared_prior(purpose, self.stream) for purpose in SHARED_PURPOSES}
-        priors = np.array([prior[purpose] for purpose in purposes])
+        priors = np.full(len(depths), shared_prior(Purpose.SHARED_PATH, self.stream))
+        priors[: len(depths) - candidates.shared_paths] = shared_prior(Purpose.BRANCH, self.stream)
         values = shared_value(np.array(candidates.shared_spans, dtype=np.float64), 0, 0, priors,
                               mean_gap(owner, self.stream))
         if owner.followers:
@@ -187,9 +189,6 @@ class CheckpointPlanner:
                 followed_value(owner, self._new_record(session, depth, purpose), self.sessions, self.stream)
                 for depth, purpose in zip(depths, purposes)])
         return SharedCandidates(depths, purposes, values)
-
-    def _candidate_value(self, session: str, depth: int, purpose: Purpose, planned: list[int]) -> float:
-        return checkpoint_value(self._new_record(session, depth, purpose), None, self.sessions, self.stream, planned)
 
     # ---- bookkeeping after a request ----
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from bisect import bisect_left, bisect_right
 from dataclasses import dataclass
-from typing import Iterable, Mapping, Optional, Sequence
+from typing import Iterable, Mapping, NamedTuple, Optional, Sequence
 
 import numpy as np
 from numba.extending import register_jitable
@@ -34,12 +34,39 @@ def checkpoint_value(
             + followed_value(session, record, sessions, stream))
 
 
+class OwnOutlook(NamedTuple):
+    """What a session's own checkpoint's value reads of the session and the stream, whatever
+    its depth (``own_outlook``)."""
+
+    appends: float  # P(the next request only appends), per unit of time
+    horizon: float  # ``restore_horizon``
+    edit_weight: float  # what a predicted edit point's probability counts for
+    edit: float  # P(the next request edits its history)
+    alive: float  # P(the session sends another request)
+
+
+def own_outlook(session: Session, stream: StreamStats) -> OwnOutlook:
+    """The session's ``OwnOutlook`` now.
+
+    An append restores from the end state at the session's next request, which comes
+    sooner than the stream's mean gap after a tool call (the tool's result is sent back at
+    once) and later after an answer (a user types the next turn): the sooner, the more
+    requests the slot serves per unit of time. A predicted edit may come later than the next
+    request (the one closing a chain of tool calls): how soon counts for it only as far as
+    the pool is short of slots (``edit_weight``), and with slots to spare it counts over the
+    requests a checkpoint can wait through (``restore_horizon``)."""
+    gap, wait, unit = mean_gap(session, stream), next_gap(session, stream), stream_mean_gap(stream)
+    return OwnOutlook(append_probability(session, stream) * unit / wait, restore_horizon(stream),
+                      edit_weight(unit, wait, scarcity(stream)), edit_probability(session, stream),
+                      alive(session, patience(gap, wait), stream))
+
+
 def own_value(session: Session, record: Record, checkpoint: Optional[CheckpointId], stream: StreamStats,
-              planned: Sequence[int] = ()) -> float:
+              planned: Sequence[int] = (), outlook: Optional[OwnOutlook] = None) -> float:
     """What the checkpoint saves the requests it was taken for: its session's next ones,
-    or for a shared one, any session's."""
+    or for a shared one, any session's. ``outlook``: the session's ``own_outlook`` now, if
+    known (a request's candidates are valued with one)."""
     depth, purpose, created = record.depth, record.purpose, record.created
-    gap = mean_gap(session, stream)
     if purpose in SHARED_PURPOSES:
         # Serves other sessions: worth its span (what a restore from it saves over the
         # shared checkpoint before it) per use, at the rate it has been used since it was
@@ -48,27 +75,20 @@ def own_value(session: Session, record: Record, checkpoint: Optional[CheckpointI
         # A branch point has been passed by two sessions already: its taking counts as one
         # use; a shared-path message start, as the fraction of those proposed that another
         # session restored from.
-        return shared_value(record.span, record.uses, stream.clock - created, shared_prior(purpose, stream), gap)
+        return shared_value(record.span, record.uses, stream.clock - created, shared_prior(purpose, stream),
+                            mean_gap(session, stream))
     if checkpoint is not None and checkpoint not in session.on_path:
         return 0.0
+    if outlook is None:
+        outlook = own_outlook(session, stream)
     shares = restore_shares(session, [*session.on_path.values(), *planned, depth])
-    # An append restores from the end state at the session's next request, which comes
-    # sooner than the stream's mean gap after a tool call (the tool's result is sent back at
-    # once) and later after an answer (a user types the next turn): the sooner, the more
-    # requests the slot serves per unit of time. A predicted edit may come later than the next
-    # request (the one closing a chain of tool calls): how soon counts for it only as far as
-    # the pool is short of slots (``edit_weight``), and with slots to spare it counts over the
-    # requests a checkpoint can wait through (``restore_horizon``).
-    wait, unit = next_gap(session, stream), stream_mean_gap(stream)
-    appends = append_probability(session, stream) * unit / wait
-    probability = shares.probability(depth, appends, restore_horizon(stream), edit_weight(unit, wait, scarcity(stream)))
+    probability = shares.probability(depth, outlook.appends, outlook.horizon, outlook.edit_weight)
     if purpose is Purpose.HINT:
         # The client says an edit will land here: trust it as much as the session's edits.
-        probability = max(probability, edit_probability(session, stream))
+        probability = max(probability, outlook.edit)
     if probability <= 0.0:
         return 0.0
-    return probability * alive(session, patience(gap, wait), stream) * tokens_saved(depth, session.base_depth,
-                                                                                      shares.below(depth))
+    return probability * outlook.alive * tokens_saved(depth, session.base_depth, shares.below(depth))
 
 
 def shared_prior(purpose: Purpose, stream: StreamStats) -> float:
