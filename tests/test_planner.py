@@ -359,12 +359,12 @@ def test_an_edit_is_credited_to_the_addresses_naming_its_point_when_it_was_compu
         return AnchorIndex(DETECTOR.detect(prompt), len(prompt))
 
     short, middle, full = view(1), view(3), view(6)
-    summary_start = int(short.messages[len(head)])
-    assert int(full.messages[len(head)]) == summary_start
-    message_from_end = (FROM_END, int(AnchorKind.MESSAGE_START), ANY_ROLE, full.messages.size - len(head))
+    summary_start = short.messages[len(head)]
+    assert full.messages[len(head)] == summary_start
+    message_from_end = (FROM_END, int(AnchorKind.MESSAGE_START), ANY_ROLE, len(full.messages) - len(head))
     assert full.position_of(message_from_end) == summary_start and short.position_of(message_from_end) is None
     after_condensing = [Prefill(restored=summary_start - 1, length=short.length, index=short)]
-    last_answer = int(middle.messages[-3])  # the last one opens the generation prompt
+    last_answer = middle.messages[-3]  # the last one opens the generation prompt
     model = EditModel(capacity=32, learning_rate=0.3)
     for condensation in range(4):
         # Each summary first differs from the one before a little earlier into its text.

@@ -3,6 +3,7 @@ the session's next sequence it gives where "the same" point is now."""
 
 from __future__ import annotations
 
+from bisect import bisect_left, bisect_right
 from typing import NamedTuple, Optional
 
 import numba
@@ -85,21 +86,25 @@ def _group(positions, kinds, roles):
 
 
 class AnchorIndex:
-    """Anchor positions of one sequence, grouped the ways addresses look them up."""
+    """Anchor positions of one sequence, grouped the ways addresses look them up. Held as
+    Python lists: a request reads a few dozen single positions (an edit model's addresses
+    evaluated, an edit point named), each a bisection, which on numpy arrays costs a call and
+    a scalar conversion apiece (~1 us, ~50 us an edit)."""
 
     def __init__(self, anchors: Anchors, length: int):
         self.length = length
-        self.unique, self.messages, grouped, keys, bounds = _group(anchors.positions, anchors.kinds, anchors.roles)
-        bounds = bounds.tolist()
-        self.by_key: dict[tuple[int, int], np.ndarray] = {
+        unique, messages, grouped, keys, bounds = _group(anchors.positions, anchors.kinds, anchors.roles)
+        self.unique: list[int] = unique.tolist()
+        self.messages: list[int] = messages.tolist()
+        grouped, bounds = grouped.tolist(), bounds.tolist()
+        self.by_key: dict[tuple[int, int], list[int]] = {
             divmod(key, _ROLES): grouped[start:stop] for key, start, stop in zip(keys.tolist(), bounds, bounds[1:])}
         # Message starts of every role, which message-window addresses count.
-        self.by_key[(int(AnchorKind.MESSAGE_START), ANY_ROLE)] = self.messages
-        users = self.by_key.get((int(AnchorKind.MESSAGE_START), int(Role.USER)))
-        self.last_user = int(users[-1]) if users is not None and users.size else None
+        self.by_key[(_MESSAGE_START, ANY_ROLE)] = self.messages
+        users = self.by_key.get((_MESSAGE_START, int(Role.USER)))
+        self.last_user = users[-1] if users else None
         prompt_ends = self.by_key.get((int(AnchorKind.PROMPT_END), int(Role.NONE)))
-        self.prompt_tail = int(prompt_ends[-1]) - 1 if prompt_ends is not None and prompt_ends.size else None
-        self._anchors = anchors
+        self.prompt_tail = prompt_ends[-1] - 1 if prompt_ends else None
         # Position -> its addresses: an edit point's are read by the session's edit model and
         # by the stream's.
         self._addresses: dict[int, tuple[Address, ...]] = {}
@@ -121,25 +126,23 @@ class AnchorIndex:
         addresses: list[Address] = [(ABSOLUTE, position)]
         if position == self.prompt_tail:
             addresses.append((PROMPT_TAIL,))
-        index = int(np.searchsorted(self.unique, position, side="right")) - 1
+        index = bisect_right(self.unique, position) - 1
         if index < 0:
             return addresses
-        anchor = int(self.unique[index])
+        anchor = self.unique[index]
         addresses.append((FROM_START, index))
-        at = self._anchors.positions == anchor
-        keys = sorted(set(zip(self._anchors.kinds[at].tolist(), self._anchors.roles[at].tolist())))
-        if any(kind == AnchorKind.MESSAGE_START for kind, _ in keys):
-            keys.append((int(AnchorKind.MESSAGE_START), ANY_ROLE))
-        message = int(np.searchsorted(self.messages, anchor, side="right")) - 1
+        keys = [key for key in sorted(self.by_key) if key[1] != ANY_ROLE and _holds(self.by_key[key], anchor)]
+        if any(kind == _MESSAGE_START for kind, _ in keys):
+            keys.append((_MESSAGE_START, ANY_ROLE))
+        message = bisect_right(self.messages, anchor) - 1
         for kind, role in keys:
             positions = self.by_key[(kind, role)]
-            rank = int(positions.size - np.searchsorted(positions, anchor, side="left"))
-            addresses.append((FROM_END, kind, role, rank))
+            mine = bisect_left(positions, anchor)
+            addresses.append((FROM_END, kind, role, len(positions) - mine))
             if kind in WINDOWED_PARTS and message >= 0 and self._first_in_message(kind, role, message) == anchor:
-                addresses.append((IN_MESSAGE_FROM_END, kind, role, int(self.messages.size - message)))
+                addresses.append((IN_MESSAGE_FROM_END, kind, role, len(self.messages) - message))
             if self.last_user is not None:
-                after = int(np.searchsorted(positions, self.last_user, side="right"))
-                mine = int(np.searchsorted(positions, anchor, side="left"))
+                after = bisect_right(positions, self.last_user)
                 addresses.append((AFTER_LAST_USER, kind, role, mine - after + 1))
         return addresses
 
@@ -164,12 +167,13 @@ class AnchorIndex:
         n = address[3]
         if kind == FROM_END:
             positions = self.by_key.get((address[1], address[2]))
-            if positions is None or not 0 < positions.size < n:
+            if positions is None or not 0 < len(positions) < n:
                 return []
-            return [(int(positions[0]), n - positions.size + 1)]
+            return [(positions[0], n - len(positions) + 1)]
         ahead = []
-        for rank in range(min(n - 1, self.messages.size), max(n - 1 - limit, 0), -1):
-            position = self._first_in_message(address[1], address[2], self.messages.size - rank)
+        messages = len(self.messages)
+        for rank in range(min(n - 1, messages), max(n - 1 - limit, 0), -1):
+            position = self._first_in_message(address[1], address[2], messages - rank)
             if position is not None:
                 ahead.append((position, 1 + -(-(n - rank) // MESSAGES_PER_REQUEST)))
         return ahead
@@ -183,29 +187,29 @@ class AnchorIndex:
 
     def names(self, address: Address, position: int) -> bool:
         """Whether ``address`` names ``position`` here, or will as the sequence grows."""
-        return any(depth == position for depth, _ in self.points_named(address, self.messages.size + 1))
+        return any(depth == position for depth, _ in self.points_named(address, len(self.messages) + 1))
 
     def position_of(self, address: Address) -> Optional[int]:
         kind = address[0]
         if kind == ABSOLUTE:
             return address[1] if address[1] <= self.length else None
         if kind == FROM_START:
-            return int(self.unique[address[1]]) if address[1] < self.unique.size else None
+            return self.unique[address[1]] if address[1] < len(self.unique) else None
         if kind == PROMPT_TAIL:
             return self.prompt_tail
         if kind == IN_MESSAGE_FROM_END:
             n = address[3]
-            return self._first_in_message(address[1], address[2], self.messages.size - n) if n <= self.messages.size else None
+            return self._first_in_message(address[1], address[2], len(self.messages) - n) if n <= len(self.messages) else None
         positions = self.by_key.get((address[1], address[2]))
         if positions is None:
             return None
         if kind == FROM_END:
             n = address[3]
-            return int(positions[-n]) if n <= positions.size else None
+            return positions[-n] if n <= len(positions) else None
         if self.last_user is None:
             return None
-        index = int(np.searchsorted(positions, self.last_user, side="right")) + address[3] - 1
-        return int(positions[index]) if 0 <= index < positions.size else None
+        index = bisect_right(positions, self.last_user) + address[3] - 1
+        return positions[index] if 0 <= index < len(positions) else None
 
     def _first_in_message(self, kind: int, role: int, message: int) -> Optional[int]:
         """The first anchor of (kind, role) inside the ``message``-th message (from 0)."""
@@ -213,6 +217,12 @@ class AnchorIndex:
         if positions is None:
             return None
         messages = self.messages
-        end = int(messages[message + 1]) if message + 1 < messages.size else self.length + 1
-        first = int(np.searchsorted(positions, messages[message], side="left"))
-        return int(positions[first]) if first < positions.size and positions[first] < end else None
+        end = messages[message + 1] if message + 1 < len(messages) else self.length + 1
+        first = bisect_left(positions, messages[message])
+        return positions[first] if first < len(positions) and positions[first] < end else None
+
+
+def _holds(positions: list[int], position: int) -> bool:
+    """Whether ascending ``positions`` hold ``position``."""
+    at = bisect_left(positions, position)
+    return at < len(positions) and positions[at] == position
