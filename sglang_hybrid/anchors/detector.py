@@ -83,7 +83,8 @@ class Anchors:
         ]
 
     def of_kind(self, kind: AnchorKind) -> np.ndarray:
-        return self.positions[self.kinds == kind]
+        # Compared as an int: numpy converts an IntEnum operand at ~2.5 us a call.
+        return self.positions[self.kinds == int(kind)]
 
     def last_at_or_before(self, position: int) -> int | None:
         """The deepest anchor position <= ``position`` (where a restore could start), or None."""

@@ -4,6 +4,7 @@ candidates and keeps what they return."""
 
 from __future__ import annotations
 
+from itertools import compress
 from typing import Callable, Mapping, NamedTuple, Optional
 
 import numpy as np
@@ -82,16 +83,15 @@ def propose(ctx: RequestContext, predictions: Mapping[int, float], own_prefix: i
     inner = starts[1:-1]
     new = (inner > max(lowest, ctx.tree_lcp)) & (inner < prompt_len - 1)
     taken = held | own.keys() | set(shared_depths)
-    # Spans as arrays: a new content's message starts come by the hundred.
+    # Spans as arrays, the rest in bulk: a new content's message starts (distinct) come by the
+    # hundred.
     depths = inner[new]
     spans = (depths - np.maximum(starts[:-2][new], lowest)).tolist()
-    shared_paths = 0
-    for depth, span in zip(depths.tolist(), spans):
-        if depth not in taken:
-            taken.add(depth)
-            shared_depths.append(depth)
-            shared_spans.append(span)
-            shared_paths += 1
+    depths = depths.tolist()
+    fresh = [depth not in taken for depth in depths]
+    shared_depths += compress(depths, fresh)
+    shared_spans += compress(spans, fresh)
+    shared_paths = sum(fresh)
     return Candidates(sorted(own.items()), shared_depths,
                       [Purpose.BRANCH] * (len(shared_depths) - shared_paths) + [Purpose.SHARED_PATH] * shared_paths,
                       shared_spans, shared_paths)

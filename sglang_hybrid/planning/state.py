@@ -107,8 +107,8 @@ class PromptDigests(NamedTuple):
     def message_ends(self) -> dict[int, int]:
         """Depth -> digest of the message ending there, but at the prompt's end (the prompt's
         last message is not complete)."""
-        return {depth: message for depth, message in zip(self.boundaries.tolist(), self.messages.tolist())
-                if depth < self.length}
+        complete = int(np.searchsorted(self.boundaries, self.length))
+        return dict(zip(self.boundaries[:complete].tolist(), self.messages[:complete].tolist()))
 
 
 @dataclass(frozen=True)
