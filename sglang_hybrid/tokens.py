@@ -39,6 +39,29 @@ def _common_prefix_length(a, b):
     return n
 
 
+@numba.njit(["b1(i4[::1], i8, i4[::1], i8, i8)", "b1(i8[::1], i8, i8[::1], i8, i8)"], cache=True)
+def equal_spans(a, a_start, b, b_start, length):
+    """Whether ``a[a_start:a_start + length]`` equals ``b[b_start:b_start + length]``
+    (both within bounds). Compiled, for compiled callers: block compares of two slices run
+    as vector instructions, ~27 us for 128k int64 tokens; indexing the arrays at two
+    offsets does not vectorize (~160 us)."""
+    x = a[a_start:a_start + length]
+    y = b[b_start:b_start + length]
+    whole = length // _BLOCK * _BLOCK
+    start = 0
+    while start < whole:
+        differ = False
+        for i in range(start, start + _BLOCK):
+            differ |= x[i] != y[i]
+        if differ:
+            return False
+        start += _BLOCK
+    for i in range(whole, length):
+        if x[i] != y[i]:
+            return False
+    return True
+
+
 def positions_at_least(ids: np.ndarray, lo: int) -> np.ndarray:
     """``np.flatnonzero(ids >= lo)``: where a prompt has a token of a template's special range
     (above every ordinary word's id, in every family whose range does not start at 0)."""

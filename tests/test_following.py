@@ -57,11 +57,13 @@ def test_digests_of_messages_of_any_length(lengths, wide, seed):
 
 @settings(max_examples=300, deadline=None)
 @given(previous=st.lists(st.integers(1, 30), min_size=1, max_size=8), kept=st.integers(0, 250),
-       appended=st.lists(st.integers(1, 30), max_size=4), moved=st.integers(-3, 3), seed=st.integers(0, 2**16))
-def test_digests_started_from_a_previous_prompt_are_those_of_the_prompt_alone(previous, kept, appended, moved, seed):
+       appended=st.lists(st.integers(1, 30), max_size=4), moved=st.integers(-3, 3), seed=st.integers(0, 2**16),
+       with_tokens=st.booleans())
+def test_digests_started_from_a_previous_prompt_are_those_of_the_prompt_alone(previous, kept, appended, moved, seed,
+                                                                              with_tokens):
     """The next prompt keeps the previous one up to any token (an edit anywhere, or the whole
     of it) and appends messages; its boundaries may move near the kept end. Starting from the
-    previous prompt's digests changes no digest, whatever the common length told."""
+    previous prompt's digests (and tokens) changes no digest, whatever the common length told."""
     rng = np.random.default_rng(seed)
     before = rng.integers(0, 151_000, sum(previous))
     known = prefix_digests(before, np.cumsum(previous).tolist())
@@ -78,10 +80,38 @@ def test_digests_started_from_a_previous_prompt_are_those_of_the_prompt_alone(pr
                    if 0 < end <= prompt.shape[0]})
     common = int(np.argmin(np.append(before[:prompt.shape[0]] == prompt[:before.shape[0]], False)))
     alone = prefix_digests(prompt, ends)
-    started = prefix_digests(prompt, ends, known, common)
+    started = prefix_digests(prompt, ends, known, common, before if with_tokens else None)
     assert started.sums.tolist() == alone.sums.tolist() == [polynomial(prompt[:end]) for end in ends]
     assert started.messages.tolist() == alone.messages.tolist()
     assert started.boundaries.tolist() == ends and started.length == alone.length
+
+
+@settings(max_examples=300, deadline=None)
+@given(previous=st.lists(st.integers(1, 80), min_size=1, max_size=8), edited=st.integers(0, 7),
+       edited_length=st.integers(1, 80), same_length=st.booleans(), appended=st.lists(st.integers(1, 30), max_size=3),
+       wide=st.booleans(), seed=st.integers(0, 2**16))
+def test_messages_moved_by_an_earlier_edit_keep_their_digests(previous, edited, edited_length, same_length, appended,
+                                                              wide, seed):
+    """One message of the previous prompt is rewritten (to another length, or to the same
+    length with other tokens) and messages are appended: the messages after it, moved, are
+    compared with their counterparts in the previous request's sequence (its prompt and
+    output) instead of hashed, and every digest is still that of the prompt alone."""
+    rng = np.random.default_rng(seed)
+    dtype = np.int64 if wide else np.int32
+    messages = [rng.integers(0, 151_000, n).astype(dtype) for n in previous]
+    before = np.concatenate(messages)
+    known = prefix_digests(before, np.cumsum(previous).tolist())
+    edited %= len(messages)
+    rewritten = list(messages)
+    rewritten[edited] = rng.integers(0, 151_000, previous[edited] if same_length else edited_length).astype(dtype)
+    rewritten += [rng.integers(0, 151_000, n).astype(dtype) for n in appended]
+    prompt = np.concatenate(rewritten)
+    ends = np.cumsum([len(m) for m in rewritten]).tolist()
+    common = int(np.argmin(np.append(before[:prompt.shape[0]] == prompt[:before.shape[0]], False)))
+    sequence = np.concatenate([before, rng.integers(0, 151_000, 5)]).astype(np.int64)
+    started = prefix_digests(prompt, ends, known, common, sequence)
+    assert started.sums.tolist() == [polynomial(prompt[:end]) for end in ends]
+    assert started.messages.tolist() == [polynomial(m) for m in rewritten]
 
 
 def test_prefix_producers_keep_each_first_sender_and_forget_the_least_recently_sent():
