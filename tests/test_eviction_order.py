@@ -79,6 +79,12 @@ def random_sessions(seed, steps) -> list[Request]:
             history.append(message(rng, size))
         elif kind == "edit" and len(history) > 1:
             history[int(rng.integers(0, len(history)))] = message(rng, size)
+        elif kind == "fork":
+            # Repeats another session's history and goes on from it (a trial of the same task):
+            # it follows that session, whose shared-path checkpoints are then worth more.
+            source = histories.get((session + 1) % 4)
+            if source is not None:
+                history[:] = [*source, message(rng, size)]
         # Outputs closing with few tokens, as an agent's do: sessions share closings, and
         # the counts after each.
         output = np.concatenate([rng.integers(1000, 50_000, 2), rng.integers(5, 8, 2)]).astype(np.int32)
@@ -96,7 +102,7 @@ def held(policy: SemanticPolicy) -> list[tuple[int, int]]:
 
 
 SESSIONS = dict(seed=st.integers(0, 2**32 - 1), slots=st.integers(2, 6),
-                steps=st.lists(st.tuples(st.integers(0, 3), st.sampled_from(["append", "edit", "repeat"]),
+                steps=st.lists(st.tuples(st.integers(0, 3), st.sampled_from(["append", "edit", "repeat", "fork"]),
                                          st.integers(1, 40)), min_size=4, max_size=16))
 
 

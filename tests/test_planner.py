@@ -869,6 +869,8 @@ def test_ending_a_follower_lowers_what_its_leader_shares_with_it_at_once():
             break
     assert followed
     before = {checkpoint: planner.value(checkpoint, planner.records[checkpoint].depth) for checkpoint in followed}
+    assert before == {checkpoint: checkpoint_value(planner.records[checkpoint], checkpoint, planner.sessions,
+                                                   planner.stream) for checkpoint in followed}
     planner.end_session("trial-1")
     for checkpoint, record in planner.records.items():
         fresh = checkpoint_value(record, checkpoint, planner.sessions, planner.stream)
