@@ -536,8 +536,9 @@ class AnchorDetector:
             return self.detect(prompt, output)
         head = int(np.searchsorted(prompt_anchors.positions, split))
         rest = self.detect(prompt[split:], output)
-        if (rest.kinds == AnchorKind.SYSTEM_END).any():
-            rest = _without(rest, rest.kinds != AnchorKind.SYSTEM_END)
+        system_ends = rest.kinds == int(AnchorKind.SYSTEM_END)
+        if system_ends.any():
+            rest = _without(rest, ~system_ends)
         return Anchors(np.concatenate([prompt_anchors.positions[:head], rest.positions + split]),
                        np.concatenate([prompt_anchors.kinds[:head], rest.kinds]),
                        np.concatenate([prompt_anchors.roles[:head], rest.roles]))
