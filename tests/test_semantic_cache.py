@@ -3,18 +3,22 @@
 from __future__ import annotations
 
 import json
+from array import array
 from importlib.metadata import entry_points
 
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+from sglang.srt.mem_cache.radix_cache import RadixKey
 from sglang.srt.mem_cache.registry import registered_radix_cache_backends
 from sglang.srt.mem_cache.unified_cache.components.base import ComponentType
 
 from cache_fixtures import ValueByDepth, build, fingerprint, serve, tree_nodes, write_checkpoint_slot, write_live_state
-from sglang_hybrid.cache.semantic_cache import SemanticStateCache
+from sglang_hybrid.cache.semantic_cache import SemanticStateCache, _key_match
 from sglang_hybrid.kernels import MIN_CAPTURE_SPACING
 from sglang_hybrid.cache.semantic_component import node_depth
 from sglang_hybrid.replay.shared_data import QWEN3_TEMPLATE, SWE_AGENT_TRAJ
@@ -317,3 +321,21 @@ def test_edit_then_match_on_swe_agent_trace_restores_deepest_checkpoint_before_d
     stats = driver.cache.stats
     assert stats.restored == len(swe_agent_prompts) - 1
     assert stats.tokens_restored + stats.tokens_recomputed == sum(len(p) for p, _ in swe_agent_prompts)
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.data(), page=st.sampled_from([1, 2, 4]), capped=st.booleans())
+def test_tree_walk_compares_a_node_key_as_sglang_does(data, page, capped):
+    """The tree walks' compare of a node's key with a request's tokens at an offset gives
+    SGLang's ``match_at``: the same length, rounded down to the page, on keys that agree for
+    any share of the node, including none, all of it, and tokens that end inside it."""
+    tokens = data.draw(st.lists(st.integers(0, 3), min_size=1, max_size=40))
+    offset = data.draw(st.integers(0, len(tokens)))
+    node = tokens[offset:offset + data.draw(st.integers(0, len(tokens) - offset))]
+    node += data.draw(st.lists(st.integers(0, 3), max_size=6))
+    node = node or [0]
+    limit = data.draw(st.integers(offset, len(tokens))) if capped else None
+    key = RadixKey(array("q", tokens), limit=limit)
+    view = np.array(tokens[:limit], dtype=np.int64)
+    node_key = RadixKey(array("q", node))
+    assert _key_match(node_key, key, view, offset, page) == node_key.match_at(key, offset, page)

@@ -45,6 +45,7 @@ from sglang_hybrid.cache.checkpoint_pool import StateCheckpointPool
 from sglang_hybrid.cache.planning import CheckpointId, CheckpointPlanning, RequestToPlan
 from sglang_hybrid.cache.semantic_component import remember_depth
 from sglang_hybrid.cache.stats import CheckpointObserver, CheckpointStats
+from sglang_hybrid.tokens import common_prefix_length
 
 if TYPE_CHECKING:
     from sglang.srt.managers.schedule_batch import Req
@@ -211,7 +212,7 @@ class SemanticStateCache(UnifiedRadixCache):
         if self.planning is None:
             return []
         prompt = np.asarray(req.origin_input_ids, dtype=np.int64)
-        tree_lcp, held = self.checkpoints_on_path(prompt)
+        tree_lcp, held = self.checkpoints_on_path(req.origin_input_ids)
         depths = self.planning.plan(RequestToPlan(
             rid=req.rid,
             prompt=prompt,
@@ -275,19 +276,21 @@ class SemanticStateCache(UnifiedRadixCache):
         """Read-only: the KV prefix the tree holds for ``tokens``, and the (depth, checkpoint)
         of every device checkpoint on that prefix, deepest first. Touches no recency.
 
-        One walk that compares each node's key in place: SGLang's read-only match
-        (``match_full_device_prefix``) copies the rest of the key at every node, and converting
-        the tokens one Python int at a time cost ~1 ms per 8k-token prompt, twice per request.
+        One walk that compares each node's key in place (``_key_match``): SGLang's read-only
+        match (``match_full_device_prefix``) copies the rest of the key at every node, and
+        converting the tokens one Python int at a time cost ~1 ms per 8k-token prompt, twice
+        per request.
         """
         tree = self.tree_core
-        key = RadixKey(array("q", np.ascontiguousarray(tokens, dtype=np.int64).tobytes()), is_bigram=tree.is_eagle)
+        ids, tokens = _key_ids(tokens)
+        key = RadixKey(ids, is_bigram=tree.is_eagle)
         page, length = self.page_size, len(key)
         node, matched, held = tree.root_node, 0, []
         while length - matched >= page:
             child = node.children.get(key.child_key_at(matched, page))
             if child is None or child.component_data[ComponentType.FULL].value is None:
                 break
-            prefix = child.key.match_at(key, matched, page)
+            prefix = _key_match(child.key, key, tokens, matched, page)
             matched += prefix
             if prefix < len(child.key):
                 break
@@ -376,14 +379,18 @@ class SemanticStateCache(UnifiedRadixCache):
         """
         tree = self.tree_core
         deepest = max(depth for depth, _ in ready)
+        # Capped, not sliced: a slice copies the request's tokens.
         key = RadixKey(
-            req.full_untruncated_fill_ids[:deepest],
+            req.full_untruncated_fill_ids,
             req.extra_key,
             is_bigram=tree.is_eagle,
+            limit=deepest,
             cache_salt=req.cache_salt,
         )
         # A bigram key (EAGLE) is one unit shorter than the tokens it covers.
         shift = deepest - len(key)
+        view = _int64_view(key.token_ids)
+        tokens = view[:deepest] if view is not None else None
         slots: dict[int, list[tuple[int, torch.Tensor]]] = {}  # key length -> staged there
         for depth, slot in ready:
             if depth - shift <= 0:  # a one-token bigram key holds nothing to attach to
@@ -397,7 +404,7 @@ class SemanticStateCache(UnifiedRadixCache):
         while next_target < len(targets):
             child = node.children[key.child_key_at(walked, self.page_size)]
             end = walked + len(child.key)
-            if child.key.match_at(key, walked, self.page_size) < min(len(child.key), targets[-1] - walked):
+            if _key_match(child.key, key, tokens, walked, self.page_size) < min(len(child.key), targets[-1] - walked):
                 raise RuntimeError(
                     f"request {req.rid}'s path leaves the tree before depth {targets[-1] + shift}, "
                     f"which its insert covered ({req.kv.cache_protected_len} tokens)"
@@ -461,9 +468,9 @@ class SemanticStateCache(UnifiedRadixCache):
         if self.planning is not None:
             if checkpointed:
                 # The insert on finish left prompt + the output the final state covers.
-                cached = np.asarray(req.full_untruncated_fill_ids[: req.kv.cache_protected_len], dtype=np.int64)
+                cached_ids, cached = _key_ids(req.full_untruncated_fill_ids[: req.kv.cache_protected_len])
                 self.planning.finished(
-                    req.rid, cached, len(req.origin_input_ids), self.checkpoint_at(cached), self.free_checkpoints()
+                    req.rid, cached, len(req.origin_input_ids), self.checkpoint_at(cached_ids), self.free_checkpoints()
                 )
             self.planning.released(req.rid)
         self._publish()
@@ -483,3 +490,36 @@ class SemanticStateCache(UnifiedRadixCache):
             self._planned.clear()
             self.checkpoint_pool.clear()
             self.components[MAMBA].clear_checkpoints()
+
+
+def _key_match(node_key: RadixKey, key: RadixKey, tokens: Optional[np.ndarray], offset: int, page: int) -> int:
+    """``node_key.match_at(key, offset, page)``, ``tokens`` being ``key``'s token ids (up to its
+    cap) as an int64 array: the two compared as arrays by a compiled scan (a few us a node,
+    ~20 us in all for a 128k-token path), where SGLang's galloping compare copies slices of
+    both keys at every step (~20 us a node). Keys of another shape (EAGLE's bigrams, a capped
+    node, ids not held as int64) are left to ``match_at``."""
+    own = _int64_view(node_key.token_ids)
+    if tokens is None or own is None or key.is_bigram or node_key.limit is not None:
+        return node_key.match_at(key, offset, page)
+    return common_prefix_length(own, tokens[offset:offset + own.shape[0]]) // page * page
+
+
+def _key_ids(tokens) -> tuple[array, np.ndarray]:
+    """Token ids as SGLang's keys hold them, an ``array("q")``, and as an int64 array sharing
+    its memory: ``tokens`` itself if it is such an array (SGLang's requests hold theirs so),
+    else a copy."""
+    view = _int64_view(tokens)
+    if view is not None:
+        return tokens, view
+    ids = array("q")
+    # From the raw bytes: ``array("q", tokens.tobytes())`` costs ~0.8 ms at 128k tokens.
+    ids.frombytes(memoryview(np.ascontiguousarray(tokens, dtype=np.int64)).cast("B"))
+    return ids, np.frombuffer(ids, dtype=np.int64)
+
+
+def _int64_view(ids) -> Optional[np.ndarray]:
+    """An ``array("q")`` of token ids as an int64 array, sharing its memory (None for ids held
+    otherwise)."""
+    if not isinstance(ids, array) or ids.typecode != "q":
+        return None
+    return np.frombuffer(ids, dtype=np.int64)
