@@ -18,7 +18,7 @@ from sglang.srt.mem_cache.registry import registered_radix_cache_backends
 from sglang.srt.mem_cache.unified_cache.components.base import ComponentType
 
 from cache_fixtures import ValueByDepth, build, fingerprint, serve, tree_nodes, write_checkpoint_slot, write_live_state
-from sglang_hybrid.cache.semantic_cache import SemanticStateCache, _key_match
+from sglang_hybrid.cache.semantic_cache import SemanticStateCache, _capped, _key_match
 from sglang_hybrid.kernels import MIN_CAPTURE_SPACING
 from sglang_hybrid.cache.semantic_component import node_depth
 from sglang_hybrid.replay.shared_data import QWEN3_TEMPLATE, SWE_AGENT_TRAJ
@@ -339,3 +339,17 @@ def test_tree_walk_compares_a_node_key_as_sglang_does(data, page, capped):
     view = np.array(tokens[:limit], dtype=np.int64)
     node_key = RadixKey(array("q", node))
     assert _key_match(node_key, key, view, offset, page) == node_key.match_at(key, offset, page)
+
+
+@pytest.mark.parametrize("bigram", [False, True])
+@pytest.mark.parametrize("extra_key", [None, "lora-a"])
+def test_a_split_reads_the_same_child_keys_from_a_capped_key(bigram, extra_key):
+    """The attach walk hands SGLang's split a node's key capped a page past the split: the
+    child keys the split reads from it (the first page, the page past the split) are the
+    whole key's, bigrams and namespaced keys included."""
+    key = RadixKey(array("q", range(100, 140)), extra_key, is_bigram=bigram)
+    for split in range(1, len(key) - 1):
+        capped = _capped(key, split + 1)
+        assert capped.child_key(1) == key.child_key(1)
+        assert capped[split:].child_key(1) == key[split:].child_key(1)
+        assert len(capped[split:]) == 1

@@ -452,8 +452,11 @@ class SemanticStateCache(UnifiedRadixCache):
             return
         middle = len(targets) // 2
         depth = targets[middle]
-        # ``node`` stays the part below ``depth``; the part above is the new node.
-        upper, action = self.tree_core._split_node(node.key, node, depth - start)
+        # ``node`` stays the part below ``depth``; the part above is the new node. SGLang's split
+        # reads the key it is given for its first page and the page past the split only: capped
+        # there, it does not copy the rest of the node's key for them.
+        split = depth - start
+        upper, action = self.tree_core._split_node(_capped(node.key, split + self.page_size), node, split)
         if action is not None:
             actions.append(action)
         node_at[depth] = upper
@@ -502,6 +505,14 @@ def _key_match(node_key: RadixKey, key: RadixKey, tokens: Optional[np.ndarray], 
     if tokens is None or own is None or key.is_bigram or node_key.limit is not None:
         return node_key.match_at(key, offset, page)
     return common_prefix_length(own, tokens[offset:offset + own.shape[0]]) // page * page
+
+
+def _capped(key: RadixKey, length: int) -> RadixKey:
+    """``key`` read as its first ``length`` units (at most), its tokens not copied."""
+    raw = length + 1 if key.is_bigram else length  # a bigram unit reads the token after it
+    if key.limit is not None:
+        raw = min(raw, key.limit)
+    return RadixKey(key.token_ids, key.extra_key, is_bigram=key.is_bigram, limit=raw, cache_salt=key.cache_salt)
 
 
 def _key_ids(tokens) -> tuple[array, np.ndarray]:
