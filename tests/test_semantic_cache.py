@@ -353,3 +353,22 @@ def test_a_split_reads_the_same_child_keys_from_a_capped_key(bigram, extra_key):
         assert capped.child_key(1) == key.child_key(1)
         assert capped[split:].child_key(1) == key[split:].child_key(1)
         assert len(capped[split:]) == 1
+
+
+def test_lookups_read_the_tree_in_the_requests_namespace():
+    """A request with a LoRA adapter (``extra_key``) or a cache salt has its tree path under
+    that namespace: the planning hears of its generation-end checkpoint, and a lookup finds
+    its prefix there and only there."""
+    planning = ValueByDepth()
+    driver = build("semantic", planning=planning)
+    prompt, output = list(range(300, 340)), list(range(900, 904))
+    req = driver.new_request(prompt, output)
+    req.extra_key, req.cache_salt = "lora-a", "salt"
+    driver.admit(req)
+    driver.start([req])
+    driver.finish(req)
+    (end, depth), = planning.depths.items()
+    cached = (prompt + output)[:depth]
+    assert depth > len(prompt)
+    assert driver.cache.checkpoints_on_path(cached, "lora-a", "salt") == (depth, [(depth, end)])
+    assert driver.cache.checkpoints_on_path(cached) == (0, [])

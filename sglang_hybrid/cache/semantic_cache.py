@@ -212,7 +212,7 @@ class SemanticStateCache(UnifiedRadixCache):
         if self.planning is None:
             return []
         prompt = np.asarray(req.origin_input_ids, dtype=np.int64)
-        tree_lcp, held = self.checkpoints_on_path(req.origin_input_ids)
+        tree_lcp, held = self.checkpoints_on_path(req.origin_input_ids, req.extra_key, req.cache_salt)
         depths = self.planning.plan(RequestToPlan(
             rid=req.rid,
             prompt=prompt,
@@ -272,9 +272,13 @@ class SemanticStateCache(UnifiedRadixCache):
 
     # ---- reading the tree ----
 
-    def checkpoints_on_path(self, tokens) -> tuple[int, list[tuple[int, CheckpointId]]]:
-        """Read-only: the KV prefix the tree holds for ``tokens``, and the (depth, checkpoint)
-        of every device checkpoint on that prefix, deepest first. Touches no recency.
+    def checkpoints_on_path(
+        self, tokens, extra_key: Optional[str] = None, cache_salt: Optional[str] = None
+    ) -> tuple[int, list[tuple[int, CheckpointId]]]:
+        """Read-only: the KV prefix the tree holds for ``tokens`` in the namespace of
+        ``extra_key`` and ``cache_salt`` (a request's LoRA adapter and salt: SGLang keys its
+        path by them), and the (depth, checkpoint) of every device checkpoint on that prefix,
+        deepest first. Touches no recency.
 
         One walk that compares each node's key in place (``_key_match``): SGLang's read-only
         match (``match_full_device_prefix``) copies the rest of the key at every node, and
@@ -283,7 +287,7 @@ class SemanticStateCache(UnifiedRadixCache):
         """
         tree = self.tree_core
         ids, tokens = _key_ids(tokens)
-        key = RadixKey(ids, is_bigram=tree.is_eagle)
+        key = RadixKey(ids, extra_key, is_bigram=tree.is_eagle, cache_salt=cache_salt)
         page, length = self.page_size, len(key)
         node, matched, held = tree.root_node, 0, []
         while length - matched >= page:
@@ -301,9 +305,12 @@ class SemanticStateCache(UnifiedRadixCache):
         held.reverse()
         return matched, held
 
-    def checkpoint_at(self, tokens) -> Optional[CheckpointId]:
-        """Read-only: the device checkpoint holding the state after exactly ``tokens``."""
-        _, held = self.checkpoints_on_path(tokens)
+    def checkpoint_at(
+        self, tokens, extra_key: Optional[str] = None, cache_salt: Optional[str] = None
+    ) -> Optional[CheckpointId]:
+        """Read-only: the device checkpoint holding the state after exactly ``tokens`` (in the
+        namespace of ``extra_key`` and ``cache_salt``)."""
+        _, held = self.checkpoints_on_path(tokens, extra_key, cache_salt)
         return held[0][1] if held and held[0][0] == len(tokens) else None
 
     def state_digest(self) -> str:
@@ -473,7 +480,8 @@ class SemanticStateCache(UnifiedRadixCache):
                 # The insert on finish left prompt + the output the final state covers.
                 cached_ids, cached = _key_ids(req.full_untruncated_fill_ids[: req.kv.cache_protected_len])
                 self.planning.finished(
-                    req.rid, cached, len(req.origin_input_ids), self.checkpoint_at(cached_ids), self.free_checkpoints()
+                    req.rid, cached, len(req.origin_input_ids),
+                    self.checkpoint_at(cached_ids, req.extra_key, req.cache_salt), self.free_checkpoints(),
                 )
             self.planning.released(req.rid)
         self._publish()
