@@ -357,8 +357,8 @@ def test_a_split_reads_the_same_child_keys_from_a_capped_key(bigram, extra_key):
 
 def test_lookups_read_the_tree_in_the_requests_namespace():
     """A request with a LoRA adapter (``extra_key``) or a cache salt has its tree path under
-    that namespace: the planning hears of its generation-end checkpoint, and a lookup finds
-    its prefix there and only there."""
+    that namespace: the planning hears of its generation-end checkpoint, a lookup finds its
+    prefix there and only there, and the next request in that namespace restores from it."""
     planning = ValueByDepth()
     driver = build("semantic", planning=planning)
     prompt, output = list(range(300, 340)), list(range(900, 904))
@@ -372,3 +372,6 @@ def test_lookups_read_the_tree_in_the_requests_namespace():
     assert depth > len(prompt)
     assert driver.cache.checkpoints_on_path(cached, "lora-a", "salt") == (depth, [(depth, end)])
     assert driver.cache.checkpoints_on_path(cached) == (0, [])
+    again = driver.new_request(cached + [7], [8])
+    again.extra_key, again.cache_salt = "lora-a", "salt"
+    assert driver.admit(again).device_prefix_len == depth

@@ -87,7 +87,7 @@ class RequestLifecycle:
     def match(self, req: Req, *, cow: bool = True) -> MatchResult:
         """Admission match (``cow``) or probe of at most len(prompt) - 1 tokens: one token is
         always computed."""
-        key = RadixKey(array("q", req.origin_input_ids[:-1]))
+        key = RadixKey(array("q", req.origin_input_ids[:-1]), req.extra_key, cache_salt=req.cache_salt)
         result = self.cache.match_prefix(
             MatchPrefixParams(key=key, req=req if cow else None, cow_mamba=cow)
         )
