@@ -386,7 +386,6 @@ class SemanticStateCache(UnifiedRadixCache):
         """
         tree = self.tree_core
         deepest = max(depth for depth, _ in ready)
-        # Capped, not sliced: a slice copies the request's tokens.
         key = RadixKey(
             req.full_untruncated_fill_ids,
             req.extra_key,
@@ -396,8 +395,7 @@ class SemanticStateCache(UnifiedRadixCache):
         )
         # A bigram key (EAGLE) is one unit shorter than the tokens it covers.
         shift = deepest - len(key)
-        view = _int64_view(key.token_ids)
-        tokens = view[:deepest] if view is not None else None
+        tokens = _int64_copy(key.token_ids, deepest)
         slots: dict[int, list[tuple[int, torch.Tensor]]] = {}  # key length -> staged there
         for depth, slot in ready:
             if depth - shift <= 0:  # a one-token bigram key holds nothing to attach to
@@ -534,6 +532,14 @@ def _key_ids(tokens) -> tuple[array, np.ndarray]:
     # From the raw bytes: ``array("q", tokens.tobytes())`` costs ~0.8 ms at 128k tokens.
     ids.frombytes(memoryview(np.ascontiguousarray(tokens, dtype=np.int64)).cast("B"))
     return ids, np.frombuffer(ids, dtype=np.int64)
+
+
+def _int64_copy(ids, length: int) -> Optional[np.ndarray]:
+    """The first ``length`` ids of an ``array("q")`` as an int64 array of their own (None for
+    ids held otherwise). A copy, not a view, of a request's live ids: SGLang extends them in
+    place as the request decodes, which a view kept alive (by an error's traceback) forbids."""
+    view = _int64_view(ids)
+    return None if view is None else view[:length].copy()
 
 
 def _int64_view(ids) -> Optional[np.ndarray]:
