@@ -12,10 +12,13 @@ from sglang.srt.mem_cache.radix_cache import RadixKey
 from sglang.srt.mem_cache.unified_cache.components.base import ComponentType
 
 from sglang_hybrid.cache.checkpoint_pool import StateCheckpointPool, StateLayout
-from sglang_hybrid.harness.lifecycle import KVExhausted
+from sglang_hybrid.harness.lifecycle import KVExhausted, RequestLifecycle
+from sglang_hybrid.harness.pools import build_tree_cache
 from sglang_hybrid.config import CONFIG_ENV_VAR, SemanticCacheConfig
 
-from cache_fixtures import build, fingerprint, live_state_fingerprint, serve, tree_nodes, write_checkpoint_slot, write_live_state
+from cache_fixtures import (
+    build, fingerprint, live_state_fingerprint, serve, small_spec, tree_nodes, write_checkpoint_slot, write_live_state,
+)
 from test_semantic_cache import assert_slot_accounting
 
 MAMBA = ComponentType.MAMBA
@@ -165,3 +168,20 @@ def test_many_requests_restore_from_one_checkpoint_which_is_never_written():
         driver.finish(req)
     assert_slot_accounting(driver)
     assert idle(driver)
+
+
+@pytest.mark.parametrize("ending", ["abort", "finish"])
+def test_a_request_that_ended_leaves_its_token_arrays_resizable(ending):
+    """SGLang's streaming sessions build a turn's request by extending the previous turn's
+    token arrays in place. numpy's view of an ``array("q")`` forbids resizing it while the
+    view lives, so the planning must keep none of a request's arrays once it ended, aborted
+    included: else the next turn would fail on the scheduler thread."""
+    config = SemanticCacheConfig(state_checkpoint_slots=16, anchor_template_family="chatml")
+    driver = RequestLifecycle(build_tree_cache("semantic", small_spec(), config=config))
+    req = driver.new_request(list(range(300, 340)), [900, 901], session="agent")
+    driver.admit(req)
+    driver.start([req])
+    getattr(driver, ending)(req)
+    for ids in (req.origin_input_ids, req.full_untruncated_fill_ids):
+        del ids[len(ids) - 1:]
+        ids.extend([7, 8])

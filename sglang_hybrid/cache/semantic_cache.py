@@ -211,7 +211,10 @@ class SemanticStateCache(UnifiedRadixCache):
         self._planned.add(req.rid)
         if self.planning is None:
             return []
-        prompt = np.asarray(req.origin_input_ids, dtype=np.int64)
+        # A copy: the planning keeps the prompt (the session's latest sequence), and SGLang's
+        # streaming sessions extend a turn's ids in place for the next turn, which a view of
+        # them kept past the request (aborted: no finish replaces it) would forbid.
+        prompt = np.array(req.origin_input_ids, dtype=np.int64)
         tree_lcp, held = self.checkpoints_on_path(req.origin_input_ids, req.extra_key, req.cache_salt)
         depths = self.planning.plan(RequestToPlan(
             rid=req.rid,
