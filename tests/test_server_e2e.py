@@ -5,7 +5,8 @@ with ``--radix-cache-backend semantic``, one with ``--disable-radix-cache``. An 
 multi-turn session goes to both; greedy outputs must agree token for token (a restored
 checkpoint that were wrong would change them), and the semantic server must reuse the
 cache where a checkpoint exists. A long request is aborted mid-decode; afterwards the
-server must still serve and still hit its cache. SGLang's scheduler itself checks, each
+server must still serve and still hit its cache; so must a third server, with SGLang's
+streaming sessions on, after a session's turn is aborted. SGLang's scheduler itself checks, each
 time it goes idle, that every live state slot is free and that the checkpoint pool holds
 exactly the slots its tree references (``SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE``,
 on by default, raises inside the scheduler on a leak); the test also reads the server
@@ -13,6 +14,7 @@ log for those leak reports. Neither pool's occupancy is exposed over HTTP
 (``/get_server_info`` and ``/v1/loads`` report token usage only).
 """
 
+import json
 import random
 import threading
 import time
@@ -72,13 +74,12 @@ def _generate(server, input_ids, sampling_extra):
     return response.json()
 
 
-def _abort_mid_decode(server, input_ids):
+def _abort_mid_decode(server, input_ids, rid="e2e-long-request", **extra):
     """Start a request far too long to finish, abort it while it decodes; return its reply."""
-    rid = "e2e-long-request"
     reply = {}
 
     def run():
-        reply.update(server.generate(input_ids, 1500, rid=rid))
+        reply.update(server.generate(input_ids, 1500, rid=rid, **extra))
 
     thread = threading.Thread(target=run)
     thread.start()
@@ -168,3 +169,41 @@ def test_close_session_ends_the_checkpoint_session(servers):
         time.sleep(0.2)
     assert ended in semantic.log_tail(10**6)
     assert _generate(semantic, prompt, {})["meta_info"]["cached_tokens"] > 0
+
+
+@pytest.fixture(scope="module")
+def streaming_server(tmp_path_factory):
+    """A semantic server with SGLang's streaming sessions on (off by default)."""
+    from tiny_server import PAIR_CHECKPOINT_SLOTS, SGLangServer, write_tiny_qwen3_next
+
+    model_dir = write_tiny_qwen3_next(tmp_path_factory.mktemp("tiny_qwen3_next_streaming"))
+    server = SGLangServer(
+        model_dir,
+        ["--radix-cache-backend", "semantic", "--enable-streaming-session", "--max-mamba-cache-size", "16"],
+        env={"SGLANG_HYBRID_CONFIG": json.dumps({"state_checkpoint_slots": PAIR_CHECKPOINT_SLOTS})},
+        log_path=tmp_path_factory.mktemp("streaming_server_log") / "semantic.log",
+    )
+    try:
+        server.wait_ready(timeout_s=600)
+        yield server
+    finally:
+        server.stop()
+
+
+def test_a_streaming_session_goes_on_after_an_aborted_turn(streaming_server):
+    """SGLang's streaming sessions build each turn by extending the previous turn's token
+    arrays in place. A turn the semantic cache planned and that was aborted mid-decode (it
+    never finishes) must leave them resizable: the session's next turn is served."""
+    semantic = streaming_server
+    opened = requests.post(f"{semantic.base_url}/open_session",
+                           json={"capacity_of_str_len": 1 << 20, "streaming": True}, timeout=60)
+    opened.raise_for_status()
+    session_id = opened.json()
+    session = {"session_params": {"id": session_id}}
+    rng = random.Random(SEEDS[1] + 11)
+    semantic.generate(_tokens(rng, 20), NEW_TOKENS_PER_TURN, **session)
+    aborted = _abort_mid_decode(semantic, _tokens(rng, 10), rid="e2e-streaming-turn", **session)
+    assert aborted["meta_info"]["finish_reason"]["type"] == "abort"
+    after = semantic.generate(_tokens(rng, 10), NEW_TOKENS_PER_TURN, **session)
+    assert len(after["output_ids"]) == NEW_TOKENS_PER_TURN
+    requests.post(f"{semantic.base_url}/close_session", json={"session_id": session_id}, timeout=60).raise_for_status()
