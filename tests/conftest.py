@@ -79,15 +79,13 @@ def tiny_server_pair(tmp_path_factory):
 
     model_dir = write_tiny_qwen3_next(tmp_path_factory.mktemp("tiny_qwen3_next"))
     logs = tmp_path_factory.mktemp("server_logs")
-    # The live state pool would otherwise be sized from free memory, which dominates start-up.
-    flags = ["--max-mamba-cache-size", "16"]
     semantic = SGLangServer(
         model_dir,
-        ["--radix-cache-backend", "semantic", "--enable-metrics", *flags],
+        ["--radix-cache-backend", "semantic", "--enable-metrics"],
         env={"SGLANG_HYBRID_CONFIG": json.dumps({"state_checkpoint_slots": PAIR_CHECKPOINT_SLOTS})},
         log_path=logs / "semantic.log",
     )
-    no_cache = SGLangServer(model_dir, ["--disable-radix-cache", *flags], log_path=logs / "no_cache.log")
+    no_cache = SGLangServer(model_dir, ["--disable-radix-cache"], log_path=logs / "no_cache.log")
     try:
         # Two servers starting at once on two shared cores: generous start-up limits.
         semantic.wait_ready(timeout_s=600)

@@ -43,7 +43,7 @@ def dp_server(tmp_path_factory):
     }
     server = SGLangServer(
         model_dir,
-        ["--radix-cache-backend", "semantic", "--dp-size", str(DP_SIZE), "--max-mamba-cache-size", "16"],
+        ["--radix-cache-backend", "semantic", "--dp-size", str(DP_SIZE)],
         env=env,
         log_path=tmp_path_factory.mktemp("dp_logs") / "dp.log",
     )

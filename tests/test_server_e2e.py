@@ -179,7 +179,7 @@ def streaming_server(tmp_path_factory):
     model_dir = write_tiny_qwen3_next(tmp_path_factory.mktemp("tiny_qwen3_next_streaming"))
     server = SGLangServer(
         model_dir,
-        ["--radix-cache-backend", "semantic", "--enable-streaming-session", "--max-mamba-cache-size", "16"],
+        ["--radix-cache-backend", "semantic", "--enable-streaming-session"],
         env={"SGLANG_HYBRID_CONFIG": json.dumps({"state_checkpoint_slots": PAIR_CHECKPOINT_SLOTS})},
         log_path=tmp_path_factory.mktemp("streaming_server_log") / "semantic.log",
     )

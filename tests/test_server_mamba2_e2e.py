@@ -24,7 +24,6 @@ pytestmark = list(SERVER_ON_CPU_HOST)
 
 NEW_TOKENS = 4
 CHECKPOINT_SLOTS = 16
-COMMON_FLAGS = ["--max-mamba-cache-size", "16"]
 WRITERS = {"nemotron_h": write_tiny_nemotron_h, "granitemoehybrid": write_tiny_granite_moe_hybrid}
 
 
@@ -35,11 +34,11 @@ def servers(request, tmp_path_factory):
     logs = tmp_path_factory.mktemp(f"{request.param}_logs")
     semantic = SGLangServer(
         model_dir,
-        ["--radix-cache-backend", "semantic", *COMMON_FLAGS],
+        ["--radix-cache-backend", "semantic"],
         env={"SGLANG_HYBRID_CONFIG": json.dumps({"state_checkpoint_slots": CHECKPOINT_SLOTS})},
         log_path=logs / "semantic.log",
     )
-    no_cache = SGLangServer(model_dir, ["--disable-radix-cache", *COMMON_FLAGS], log_path=logs / "no_cache.log")
+    no_cache = SGLangServer(model_dir, ["--disable-radix-cache"], log_path=logs / "no_cache.log")
     try:
         semantic.wait_ready()
         no_cache.wait_ready()

@@ -55,6 +55,8 @@ CPU_LAUNCH_FLAGS = [
     "--max-total-tokens", "4096",
     "--chunked-prefill-size", "512",
     "--max-running-requests", "4",
+    # The live state pool would otherwise be sized from free memory, which dominates start-up.
+    "--max-mamba-cache-size", "16",
     # An idle scheduler busy-polls its sockets otherwise, which on two cores starves
     # whichever server is working.
     "--sleep-on-idle",
