@@ -18,9 +18,13 @@ from sglang.srt.mem_cache.registry import registered_radix_cache_backends
 from sglang.srt.mem_cache.unified_cache.components.base import ComponentType
 
 from cache_fixtures import ValueByDepth, build, fingerprint, serve, tree_nodes, write_checkpoint_slot, write_live_state
+from sglang_hybrid.anchors.detector import AnchorDetector
+from sglang_hybrid.anchors.special_tokens import QWEN3_NEWLINE_ID, QWEN3_ROLE_IDS, QWEN3_SPECIAL_IDS
 from sglang_hybrid.cache.semantic_cache import SemanticStateCache, _capped, _key_match
 from sglang_hybrid.kernels import MIN_CAPTURE_SPACING
 from sglang_hybrid.cache.semantic_component import node_depth
+from sglang_hybrid.planning.anchor_planning import AnchorPlanning
+from sglang_hybrid.planning.planner import CheckpointPlanner
 from sglang_hybrid.replay.shared_data import QWEN3_TEMPLATE, SWE_AGENT_TRAJ
 
 MAMBA = ComponentType.MAMBA
@@ -375,3 +379,34 @@ def test_lookups_read_the_tree_in_the_requests_namespace():
     again = driver.new_request(cached + [7], [8])
     again.extra_key, again.cache_salt = "lora-a", "salt"
     assert driver.admit(again).device_prefix_len == depth
+
+
+@pytest.mark.parametrize("namespace", [("lora-a", None), (None, "tenant-b"), ("lora-a", "tenant-b")])
+def test_a_session_follows_only_prompts_sent_in_its_own_namespace(namespace):
+    """Trials of one task send the same prompts; the planner takes a later trial to follow
+    the first, and values the first's checkpoints for it. A trial under another LoRA adapter
+    or cache salt shares no tree path with the first, so can restore from none of its
+    checkpoints: it follows nobody."""
+    im_start, im_end = QWEN3_SPECIAL_IDS["<|im_start|>"], QWEN3_SPECIAL_IDS["<|im_end|>"]
+    prompt = [token for role, content in (("system", range(2000, 2040)), ("user", range(3000, 3030)),
+                                          ("assistant", range(4000, 4020)), ("user", range(5000, 5030)))
+              for token in (im_start, QWEN3_ROLE_IDS[role], QWEN3_NEWLINE_ID, *content, im_end, QWEN3_NEWLINE_ID)]
+    prompt += [im_start, QWEN3_ROLE_IDS["assistant"], QWEN3_NEWLINE_ID]
+    planning = AnchorPlanning(AnchorDetector.for_family("chatml"), "adaptive", CheckpointPlanner())
+    driver = build("semantic", planning=planning)
+
+    def trial(session: str, extra_key, cache_salt) -> None:
+        req = driver.new_request(prompt, [6000, im_end], session=session)
+        req.extra_key, req.cache_salt = extra_key, cache_salt
+        driver.admit(req)
+        driver.start([req])
+        driver.finish(req)
+
+    trial("first", None, None)
+    trial("elsewhere", *namespace)
+    trial("second", None, None)
+    trial("elsewhere-second", *namespace)
+    sessions = planning.planner.sessions
+    assert sessions["second"].following.leader == "first"
+    assert sessions["elsewhere"].following is None
+    assert sessions["elsewhere-second"].following.leader == "elsewhere"

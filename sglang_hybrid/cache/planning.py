@@ -58,6 +58,9 @@ class RequestToPlan:
     held_depths: tuple[int, ...]  # depths of the checkpoints on that path
     free_slots: int  # device checkpoint slots unused
     pool_slots: int  # device checkpoint slots in all
+    # (LoRA ``extra_key``, ``cache_salt``) that SGLang keys the request's tree path by; None:
+    # neither. Requests of different namespaces share no prefix in the tree.
+    namespace: Optional[tuple[Optional[str], Optional[str]]] = None
 
 
 class CheckpointPlanning(Protocol):

@@ -227,6 +227,7 @@ class SemanticStateCache(UnifiedRadixCache):
             held_depths=tuple(depth for depth, _ in held),
             free_slots=self.checkpoint_pool.available_size(),
             pool_slots=self.checkpoint_pool.num_slots,
+            namespace=_namespace(req),
         ))  # fmt: skip
         # Every slot is taken (and staged, so that ``abandon_checkpoints`` frees it if the
         # planning fails) before the planning hears of any: the evictions that make room are
@@ -551,3 +552,10 @@ def _int64_view(ids) -> Optional[np.ndarray]:
     if not isinstance(ids, array) or ids.typecode != "q":
         return None
     return np.frombuffer(ids, dtype=np.int64)
+
+
+def _namespace(req: "Req") -> Optional[tuple[Optional[str], Optional[str]]]:
+    """``RequestToPlan.namespace`` of ``req``: its LoRA ``extra_key`` and ``cache_salt`` as
+    SGLang's ``RadixKey`` keys them (an empty salt is none), None for neither."""
+    salt = req.cache_salt or None
+    return None if req.extra_key is None and salt is None else (req.extra_key, salt)

@@ -80,6 +80,7 @@ class AnchorPlanning:
                 free_slots=request.free_slots,
                 pool_slots=request.pool_slots,
                 hint=hint,
+                namespace=request.namespace,
             ))  # fmt: skip
             self._prompt_digests[request.rid] = plan.prompt_digests
             return [(c.depth, c.purpose, c.value) for c in plan.checkpoints]

@@ -1,12 +1,14 @@
 """Which session a request follows: trials of one task, run one after another, send the same
 prompts until their outputs differ. The planner remembers which request first sent each prompt
 prefix ending at a message start; a prompt that repeats another session's (whole, or up to a
-message start, beyond the first message) names the session it follows."""
+message start, beyond the first message) in the same tree namespace (LoRA adapter, cache salt)
+names the session it follows."""
 
 from __future__ import annotations
 
+import hashlib
 from collections import OrderedDict
-from typing import Mapping, Optional
+from typing import Hashable, Mapping, Optional
 
 import numba
 import numpy as np
@@ -141,6 +143,13 @@ def _digests(prompt, ends, start, total, previous, previous_ends, previous_messa
     return sums, messages
 
 
+def namespace_digest(namespace: Hashable) -> np.uint64:
+    """What a prefix's digest is offset by in ``namespace`` (the default namespace's, None,
+    are the prompt's own). Not Python's ``hash``, which salts strings per process: the
+    planner's decisions stay a function of the request stream alone, collisions included."""
+    return np.uint64(int.from_bytes(hashlib.blake2b(repr(namespace).encode(), digest_size=8).digest(), "little"))
+
+
 class PrefixProducers:
     """Digest of a prompt prefix ending at a message start (or of a whole prompt) -> the session
     and clock of the request that sent it first; the oldest are forgotten first."""
@@ -179,17 +188,21 @@ class PrefixProducers:
 
 
 def follow(producers: PrefixProducers, name: str, prompt: np.ndarray, anchors: Anchors, common: int,
-           sessions: Mapping[str, Session], stream: StreamStats) -> None:
+           namespace: Optional[Hashable], sessions: Mapping[str, Session], stream: StreamStats) -> None:
     """Find the session the prompt of ``name``'s request follows (``PrefixProducers.leader``),
     count in the stream how the previous prompt's follow state went on, and remember this
     prompt's prefixes. ``common``: the tokens the prompt shares with the session's sequence,
-    whose digests (``Session.digests``) this prompt's start from; they become this prompt's."""
+    whose digests (``Session.digests``) this prompt's start from; they become this prompt's.
+    ``namespace``: the request's tree namespace (``RequestContext.namespace``): a request
+    follows only prompts sent in its own, the only ones whose checkpoints it can restore."""
     session = sessions[name]
     prompt_len = int(prompt.shape[0])
     starts = anchors.of_kind(AnchorKind.MESSAGE_START)
     starts = starts[(starts > 0) & (starts < prompt_len)].tolist()
     session.digests = prefix_digests(prompt, [*starts, prompt_len], session.digests, common, session.sequence)
-    digests, session.planned_messages = session.digests.sums.tolist(), session.digests.message_ends()
+    sums = session.digests.sums
+    digests = (sums if namespace is None else sums + namespace_digest(namespace)).tolist()
+    session.planned_messages = session.digests.message_ends()
     following = producers.leader(name, starts, digests, session.planned_messages)
     if following is not None and following.leader not in sessions:
         following = None  # the session it repeats was forgotten

@@ -112,7 +112,8 @@ class CheckpointPlanner:
             if restored.purpose is Purpose.SHARED_PATH and restored.session != ctx.session and not restored.followed:
                 restored.followed = True
                 self.stream.shared_followed += 1
-        follow(self._producers, ctx.session, ctx.prompt_ids, ctx.anchors, own_prefix, self.sessions, self.stream)
+        follow(self._producers, ctx.session, ctx.prompt_ids, ctx.anchors, own_prefix, ctx.namespace, self.sessions,
+               self.stream)
 
         index = AnchorIndex(ctx.anchors, prompt_len)
         if session.model is not None:

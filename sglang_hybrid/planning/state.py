@@ -87,6 +87,7 @@ class RequestContext:
     free_slots: int
     pool_slots: int
     hint: Optional[ValidatedHint] = None
+    namespace: Optional[tuple[Optional[str], Optional[str]]] = None  # RequestToPlan.namespace
 
 
 @dataclass(frozen=True)
