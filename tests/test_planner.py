@@ -200,6 +200,56 @@ def reasoning_session(turns: int) -> list[tuple[np.ndarray, np.ndarray]]:
     return calls
 
 
+def aider_session(turns: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Aider's layout: system, the finished turns, the files block (the files as a user message
+    and the assistant's acknowledgement), then the current turn. Each turn makes a tool call,
+    which comes back re-rendered (its arguments re-serialized: one token differs) with its
+    result, then answers. So after a tool call the next request leaves the previous one inside
+    its output, and after an answer it leaves it where the files block began: the next user
+    turn moves the block below the finished turn."""
+    system = message("system", text(1, 30))
+    files = [message("user", text(2, 40)), message("assistant", text(3, 2))]
+    history: list[list[int]] = []
+    calls = []
+    for turn in range(turns):
+        user = message("user", text(10 + turn, 12))
+        call = [TOOL_CALL, NL, *text(100 + turn, 10), NL, END_TOOL_CALL]
+        calls.append(request([system, *history, *files, user], call))
+        rendered = [*call[:3], call[3] + 1, *call[4:]]
+        exchange = [user, message("assistant", rendered), message("tool", text(200 + turn, 20))]
+        answer = text(300 + turn, 6)
+        calls.append(request([system, *history, *files, *exchange], answer))
+        history += [*exchange, message("assistant", answer)]
+    return calls
+
+
+@pytest.mark.parametrize("ends_with_tool_call", [True, False])
+def test_predicted_edit_points_follow_how_the_latest_output_ended(ends_with_tool_call):
+    """Once a request finishes, its output's ending tells where the session's next request will
+    leave it, as far as past edits after such endings do: after a tool call inside the output
+    (a checkpoint at the prompt end restores it), after an answer where the files block began.
+    The point that ending names is predicted as the session's edits after it have shown; the
+    other keeps its probability over any request (the files block restores the user turn that
+    ends a chain of tool calls)."""
+    calls = aider_session(6)
+    served = calls[:-1] if ends_with_tool_call else calls[:-2]
+    planner = CheckpointPlanner()
+    store = PrefixStore(planner)
+    for prompt, output in served:
+        store.serve("aider", prompt, output)
+    sequence, prompt_end = store.sequences[-1], len(served[-1][0])
+    leaves_at = divergence(sequence, calls[len(served)][0])
+    files = np.asarray(message("user", text(2, 40)))
+    windows = np.lib.stride_tricks.sliding_window_view(sequence, len(files))
+    (files_start,) = np.flatnonzero((windows == files).all(axis=1)).tolist()
+    assert leaves_at > prompt_end if ends_with_tool_call else files_start < leaves_at < files_start + len(files)
+    predictions = planner.sessions["aider"].predictions
+    restores_from = max(depth for depth in predictions if depth <= leaves_at)
+    assert restores_from == (prompt_end if ends_with_tool_call else files_start)
+    assert predictions[restores_from] == max(predictions.values())
+    assert predictions.keys() >= {prompt_end, files_start}
+
+
 def test_stripped_reasoning_keeps_the_first_prompt_end_of_the_turn():
     calls = reasoning_session(5)
     planner = CheckpointPlanner()

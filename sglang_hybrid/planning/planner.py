@@ -10,7 +10,8 @@ points reached again:
   identical repeat does;
 * where the session's next request *edits* its history (a masked observation, an answer
   re-rendered without its reasoning, a rewritten memory block), learned online from where
-  the session's and the stream's past edits landed (``edit_model``, ``addresses``);
+  the session's and the stream's past edits landed (``edit_model``, ``addresses``), and once
+  the request's output is known, from where edits after outputs that ended alike did;
 * branch points, where a request leaves a path other requests share (a system prompt common
   to all sessions);
 * shared paths: the message starts of content a request computes first, for the sessions
@@ -46,7 +47,7 @@ from sglang_hybrid.planning.state import (
     Purpose, Record, RequestContext, Session, StreamStats,
 )
 from sglang_hybrid.planning.valuation import (
-    edit_probability, followed_value, mean_gap, own_outlook, own_value, shared_prior, shared_value,
+    append_probability, edit_probability, followed_value, mean_gap, own_outlook, own_value, shared_prior, shared_value,
 )
 from sglang_hybrid.tokens import common_prefix_length
 
@@ -76,8 +77,10 @@ class CheckpointPlanner:
         self.records: dict[CheckpointId, Record] = {}
         self._model_capacity = model_capacity
         self._learning_rate = learning_rate
-        # Stream-wide edit model: the prior for sessions with little history.
+        # Stream-wide edit model: the prior for sessions with little history; and one for the
+        # edits after each ending of the output before them.
         self.global_model = EditModel(model_capacity, learning_rate)
+        self.global_models_after: dict[int, EditModel] = {}
         self._producers = PrefixProducers()
         # Every held checkpoint's value, for admission against a full pool and for eviction.
         self._held = HeldValues(self.records, self.sessions, self.stream)
@@ -116,13 +119,7 @@ class CheckpointPlanner:
                self.stream)
 
         index = AnchorIndex(ctx.anchors, prompt_len)
-        if session.model is not None:
-            # The session's own edits count as many times as it has shown; the stream's rule
-            # weighs as PRIOR_EDITS of them.
-            predicted = session.model.predict(index, self.predictions_per_request, self.global_model,
-                                              PRIOR_EDITS / session.edits)
-        else:
-            predicted = self.global_model.predict(index, self.predictions_per_request)
+        predicted = self._predicted(session.model, self.global_model, session.edits, index)
         session.predictions = {
             depth: probability * edit_probability(session, self.stream) for depth, probability in predicted.items()
         }
@@ -174,7 +171,42 @@ class CheckpointPlanner:
             restorable = min(common, prompt.shape[0] - 1)
             session.model.observe(session.index, restorable, self.global_model, session.prefills)
             self.global_model.observe(session.index, restorable, None, session.prefills)
+            if ending is not None:
+                stream_after = self.global_models_after.setdefault(
+                    ending, EditModel(self._model_capacity, self._learning_rate))
+                own_after = session.models_after.setdefault(
+                    ending, EditModel(self._model_capacity, self._learning_rate))
+                own_after.observe(session.index, restorable, stream_after, session.prefills)
+                stream_after.observe(session.index, restorable, None, session.prefills)
         return common
+
+    def _predicted(self, own: Optional[EditModel], stream: EditModel, own_edits: int,
+                   index: AnchorIndex) -> dict[int, float]:
+        """Depth -> P(an edit restores there) on ``index``: by the session's model (``own``,
+        from ``own_edits`` edits), the stream's rule weighing as PRIOR_EDITS of them, or by
+        the stream's alone."""
+        if own is None:
+            return stream.predict(index, self.predictions_per_request)
+        return own.predict(index, self.predictions_per_request, stream, PRIOR_EDITS / own_edits)
+
+    def _predictions_after(self, session: Session) -> dict[int, float]:
+        """The session's predicted edit points once its latest output's ending is known: at
+        each depth, P(the next request restores there | that ending) (the edits after such
+        endings x P(edit | ending)) or its probability over any request, as planned,
+        whichever is higher. After a tool call the result comes below the re-rendered call;
+        after an answer a user turn may move a block below it; the point the ending does not
+        name may still come later (the user turn ending a chain of tool calls)."""
+        ending = session.ending
+        stream_after = self.global_models_after.get(ending)
+        if stream_after is None:
+            return session.predictions
+        predicted = self._predicted(session.models_after.get(ending), stream_after, session.edits_after[ending],
+                                    session.index)
+        edit = 1.0 - append_probability(session, self.stream)
+        merged = dict(session.predictions)
+        for depth, probability in predicted.items():
+            merged[depth] = max(merged.get(depth, 0.0), probability * edit)
+        return merged
 
     def _shared_candidates(self, session: str, candidates: Candidates) -> SharedCandidates:
         """The candidates serving other sessions, valued at once (a new content's message
@@ -208,6 +240,7 @@ class CheckpointPlanner:
         owner.sequence, owner.index = sequence, AnchorIndex(anchors, int(sequence.shape[0]))
         owner.digests = prompt_digests
         owner.ending, owner.closing = ending, closing
+        owner.predictions = self._predictions_after(owner)
         self._ends.finished(session, owner, self.stream)
         self._held.changed(session)
 

@@ -183,9 +183,13 @@ class Session:
     # Checkpoint -> depth of the session's checkpoints on its current path: those before its last
     # edit point. The others can only serve a request that undoes an edit.
     on_path: dict[CheckpointId, int] = field(default_factory=dict)
-    # Depth -> P(the next request's edit restores from a checkpoint at that depth).
+    # Depth -> P(the next request's edit restores from a checkpoint at that depth): as planned,
+    # over any request; once the request finished, raised to that given how its output ended
+    # (``CheckpointPlanner._predictions_after``).
     predictions: dict[int, float] = field(default_factory=dict)
     model: Optional[EditModel] = None
+    # The edit model of the edits after each ending of the output before them.
+    models_after: dict[int, EditModel] = field(default_factory=dict)
     # What its latest requests computed (``EditModel.observe``), the newest last.
     prefills: deque[Prefill] = field(default_factory=lambda: deque(maxlen=PREFILLS_KEPT))
     # Depth -> span of the SHARED_PATH checkpoints of the latest plan, until recorded.
