@@ -79,7 +79,7 @@ class CheckpointPlanner:
         self._learning_rate = learning_rate
         # Stream-wide edit model: the prior for sessions with little history; and one for the
         # edits after each ending of the output before them.
-        self.global_model = EditModel(model_capacity, learning_rate)
+        self.global_model = self._new_model()
         self.global_models_after: dict[int, EditModel] = {}
         self._producers = PrefixProducers()
         # Every held checkpoint's value, for admission against a full pool and for eviction.
@@ -165,20 +165,24 @@ class CheckpointPlanner:
             session.edits_after[ending] += 1
             self.stream.edits_after[ending] += 1
             if session.model is None:
-                session.model = EditModel(self._model_capacity, self._learning_rate)
+                session.model = self._new_model()
+            learners = [(session.model, self.global_model)]
+            if ending is not None:
+                if ending not in self.global_models_after:
+                    self.global_models_after[ending] = self._new_model()
+                if ending not in session.models_after:
+                    session.models_after[ending] = self._new_model()
+                learners.append((session.models_after[ending], self.global_models_after[ending]))
             # A prompt that repeats the previous one up to its end can restore at most from its
             # own last token.
             restorable = min(common, prompt.shape[0] - 1)
-            session.model.observe(session.index, restorable, self.global_model, session.prefills)
-            self.global_model.observe(session.index, restorable, None, session.prefills)
-            if ending is not None:
-                stream_after = self.global_models_after.setdefault(
-                    ending, EditModel(self._model_capacity, self._learning_rate))
-                own_after = session.models_after.setdefault(
-                    ending, EditModel(self._model_capacity, self._learning_rate))
-                own_after.observe(session.index, restorable, stream_after, session.prefills)
-                stream_after.observe(session.index, restorable, None, session.prefills)
+            for own, stream in learners:
+                own.observe(session.index, restorable, stream, session.prefills)
+                stream.observe(session.index, restorable, None, session.prefills)
         return common
+
+    def _new_model(self) -> EditModel:
+        return EditModel(self._model_capacity, self._learning_rate)
 
     def _predicted(self, own: Optional[EditModel], stream: EditModel, own_edits: int,
                    index: AnchorIndex) -> dict[int, float]:
