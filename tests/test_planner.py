@@ -31,10 +31,10 @@ from sglang_hybrid.planning import planner as planner_module
 from sglang_hybrid.planning.state import (
     FORGET_AFTER_GAPS, SHARED_PURPOSES, ClosingCounts, Purpose, RequestContext,
 )
-from sglang_hybrid.planning.valuation import (
-    alive, append_probability, checkpoint_value, followed_value, mean_gap, next_gap, patience, pool_share,
-    return_probability, stream_mean_gap,
+from sglang_hybrid.planning.session_rates import (
+    alive, append_probability, mean_gap, next_gap, patience, return_probability, stream_mean_gap,
 )
+from sglang_hybrid.planning.valuation import checkpoint_value, followed_value, pool_share
 from sglang_hybrid.anchors.special_tokens import QWEN3_NEWLINE_ID, QWEN3_ROLE_IDS, QWEN3_SPECIAL_IDS
 from sglang_hybrid.cache.planning import CheckpointId, RequestToPlan
 

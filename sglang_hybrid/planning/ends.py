@@ -1,5 +1,5 @@
 """Whether a session came back after its latest output or ended, counted per output closing
-(``StreamStats.closings``), which ``valuation.return_probability`` reads."""
+(``StreamStats.closings``), which ``session_rates.return_probability`` reads."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Mapping, Optional
 import numpy as np
 
 from sglang_hybrid.planning.state import CLOSING_TOKENS, ENDED_AFTER_GAPS, Session, StreamStats
-from sglang_hybrid.planning.valuation import mean_gap
+from sglang_hybrid.planning.session_rates import mean_gap
 
 
 def closing_of(output: np.ndarray) -> Optional[tuple[int, ...]]:

@@ -10,7 +10,8 @@ points reached again:
   identical repeat does;
 * where the session's next request *edits* its history (a masked observation, an answer
   re-rendered without its reasoning, a rewritten memory block), learned online from where
-  the session's and the stream's past edits landed (``edit_model``, ``addresses``), and once
+  the session's and the stream's past edits landed (``edit_points``, ``edit_model``,
+  ``addresses``), and once
   the request's output is known, from where edits after outputs that ended alike did;
 * branch points, where a request leaves a path other requests share (a system prompt common
   to all sessions);
@@ -38,17 +39,16 @@ from sglang_hybrid.anchors.detector import Anchors
 from sglang_hybrid.cache.planning import CheckpointId
 from sglang_hybrid.planning.addresses import AnchorIndex, Prefill
 from sglang_hybrid.planning.admission import Candidates, SharedCandidates, admit, propose
-from sglang_hybrid.planning.edit_model import EditModel
+from sglang_hybrid.planning.edit_points import EditPoints
 from sglang_hybrid.planning.ends import SessionEnds
 from sglang_hybrid.planning.following import PrefixProducers, follow
 from sglang_hybrid.planning.held_values import HeldValues
 from sglang_hybrid.planning.state import (
-    FORGET_AFTER_GAPS, FORGET_SWEEP_REQUESTS, PRIOR_EDITS, SHARED_PURPOSES, CheckpointPlan, PromptDigests,
+    FORGET_AFTER_GAPS, FORGET_SWEEP_REQUESTS, SHARED_PURPOSES, CheckpointPlan, PromptDigests,
     Purpose, Record, RequestContext, Session, StreamStats,
 )
-from sglang_hybrid.planning.valuation import (
-    append_probability, edit_probability, followed_value, mean_gap, own_outlook, own_value, shared_prior, shared_value,
-)
+from sglang_hybrid.planning.session_rates import mean_gap
+from sglang_hybrid.planning.valuation import followed_value, own_outlook, own_value, shared_prior, shared_value
 from sglang_hybrid.tokens import common_prefix_length
 
 
@@ -71,16 +71,11 @@ class CheckpointPlanner:
         model_capacity: int = 16,
         learning_rate: float = 0.3,
     ):
-        self.predictions_per_request = predictions_per_request
         self.stream = StreamStats()
         self.sessions: dict[str, Session] = {}
         self.records: dict[CheckpointId, Record] = {}
-        self._model_capacity = model_capacity
-        self._learning_rate = learning_rate
-        # Stream-wide edit model: the prior for sessions with little history; and one for the
-        # edits after each ending of the output before them.
-        self.global_model = self._new_model()
-        self.global_models_after: dict[int, EditModel] = {}
+        self.edit_points = EditPoints(predictions_per_request=predictions_per_request, model_capacity=model_capacity,
+                                      learning_rate=learning_rate)
         self._producers = PrefixProducers()
         # Every held checkpoint's value, for admission against a full pool and for eviction.
         self._held = HeldValues(self.records, self.sessions, self.stream)
@@ -119,10 +114,7 @@ class CheckpointPlanner:
                self.stream)
 
         index = AnchorIndex(ctx.anchors, prompt_len)
-        predicted = self._predicted(session.model, self.global_model, session.edits, index)
-        session.predictions = {
-            depth: probability * edit_probability(session, self.stream) for depth, probability in predicted.items()
-        }
+        session.predictions = self.edit_points.planned(session, self.stream, index)
         # Until the request finishes, its prompt is what the session's next request follows.
         session.sequence, session.index = ctx.prompt_ids, index
         session.prefills.append(Prefill(ctx.restored_depth, prompt_len, index))
@@ -164,53 +156,10 @@ class CheckpointPlanner:
             self.stream.edits += 1
             session.edits_after[ending] += 1
             self.stream.edits_after[ending] += 1
-            if session.model is None:
-                session.model = self._new_model()
-            learners = [(session.model, self.global_model)]
-            if ending is not None:
-                if ending not in self.global_models_after:
-                    self.global_models_after[ending] = self._new_model()
-                if ending not in session.models_after:
-                    session.models_after[ending] = self._new_model()
-                learners.append((session.models_after[ending], self.global_models_after[ending]))
             # A prompt that repeats the previous one up to its end can restore at most from its
             # own last token.
-            restorable = min(common, prompt.shape[0] - 1)
-            for own, stream in learners:
-                own.observe(session.index, restorable, stream, session.prefills)
-                stream.observe(session.index, restorable, None, session.prefills)
+            self.edit_points.learn(session, min(common, prompt.shape[0] - 1), ending)
         return common
-
-    def _new_model(self) -> EditModel:
-        return EditModel(self._model_capacity, self._learning_rate)
-
-    def _predicted(self, own: Optional[EditModel], stream: EditModel, own_edits: int,
-                   index: AnchorIndex) -> dict[int, float]:
-        """Depth -> P(an edit restores there) on ``index``: by the session's model (``own``,
-        from ``own_edits`` edits), the stream's rule weighing as PRIOR_EDITS of them, or by
-        the stream's alone."""
-        if own is None:
-            return stream.predict(index, self.predictions_per_request)
-        return own.predict(index, self.predictions_per_request, stream, PRIOR_EDITS / own_edits)
-
-    def _predictions_after(self, session: Session) -> dict[int, float]:
-        """The session's predicted edit points once its latest output's ending is known: at
-        each depth, P(the next request restores there | that ending) (the edits after such
-        endings x P(edit | ending)) or its probability over any request, as planned,
-        whichever is higher. After a tool call the result comes below the re-rendered call;
-        after an answer a user turn may move a block below it; the point the ending does not
-        name may still come later (the user turn ending a chain of tool calls)."""
-        ending = session.ending
-        stream_after = self.global_models_after.get(ending)
-        if stream_after is None:
-            return session.predictions
-        predicted = self._predicted(session.models_after.get(ending), stream_after, session.edits_after[ending],
-                                    session.index)
-        edit = 1.0 - append_probability(session, self.stream)
-        merged = dict(session.predictions)
-        for depth, probability in predicted.items():
-            merged[depth] = max(merged.get(depth, 0.0), probability * edit)
-        return merged
 
     def _shared_candidates(self, session: str, candidates: Candidates) -> SharedCandidates:
         """The candidates serving other sessions, valued at once (a new content's message
@@ -244,7 +193,7 @@ class CheckpointPlanner:
         owner.sequence, owner.index = sequence, AnchorIndex(anchors, int(sequence.shape[0]))
         owner.digests = prompt_digests
         owner.ending, owner.closing = ending, closing
-        owner.predictions = self._predictions_after(owner)
+        owner.predictions = self.edit_points.after_output(owner, self.stream)
         self._ends.finished(session, owner, self.stream)
         self._held.changed(session)
 

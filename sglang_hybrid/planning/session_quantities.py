@@ -1,5 +1,5 @@
 """The per-session quantities every held checkpoint's value reads (``HeldValues``), for all
-sessions at once: ``valuation``'s own functions compiled (``numba``) over arrays indexed by
+sessions at once: ``session_rates``' and ``valuation``'s own functions compiled (``numba``) over arrays indexed by
 session, so the values are the same floats as the scalar functions give."""
 
 from __future__ import annotations
@@ -10,9 +10,10 @@ import numba
 import numpy as np
 
 from sglang_hybrid.planning.state import CLOSING_TOKENS, PRIOR_GAPS, Session, StreamStats
-from sglang_hybrid.planning.valuation import (
-    edit_rate, edit_weight, overall_return_rate, patience, return_rate_after, scarcity, stream_mean_gap, toward,
+from sglang_hybrid.planning.session_rates import (
+    edit_rate, overall_return_rate, patience, return_rate_after, stream_mean_gap, toward,
 )
+from sglang_hybrid.planning.valuation import edit_weight, scarcity
 
 # A session's counters, copied when it changes (``Session``): gaps, transitions and edits, its
 # latest request's clock, the ending of its latest output (an index into the endings seen, -1:
@@ -143,7 +144,7 @@ def _suffixes(closing: Optional[tuple[int, ...]]) -> list[tuple[int, ...]]:
 def _compute(stats, sessions, after, overall_return, clock, stream_gap, stream_edits, stream_transitions,
              pool_scarcity, gap_out, appends_out, alive_out, edit_out, edit_weight_out):
     """``SessionQuantities.compute`` of ``sessions`` (``overall_return``:
-    ``valuation.overall_return_rate``). Compiled, with valuation's formulas as written (the
+    ``session_rates.overall_return_rate``). Compiled, with their formulas as written (the
     same operations in the same order, so the same floats): numpy's ~40 array operations cost
     ~40 us at any number of sessions, and each session's ``closing_return_rate`` in Python
     ~2 us."""

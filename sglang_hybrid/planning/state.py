@@ -185,7 +185,7 @@ class Session:
     on_path: dict[CheckpointId, int] = field(default_factory=dict)
     # Depth -> P(the next request's edit restores from a checkpoint at that depth): as planned,
     # over any request; once the request finished, raised to that given how its output ended
-    # (``CheckpointPlanner._predictions_after``).
+    # (``EditPoints.after_output``).
     predictions: dict[int, float] = field(default_factory=dict)
     model: Optional[EditModel] = None
     # The edit model of the edits after each ending of the output before them.
