@@ -204,7 +204,9 @@ class SemanticCacheMachine(RuleBasedStateMachine):
         held_slots = np.flatnonzero(mamba.slot_held)
         assert {mamba.slot_holders[s].id for s in held_slots} == holders
         for slot in held_slots:
-            assert int(mamba.slot_holders[slot].component_data[MAMBA].value) == slot
+            value = mamba.slot_holders[slot].component_data[MAMBA].value
+            # One slot, as SGLang's ledgers count it (``reclaimable_value_len``).
+            assert value.shape == (1,) and int(value) == slot
         by_recency = [mamba.slot_holders[s].id for s in held_slots[np.argsort(mamba.slot_recency[held_slots])]]
         walked, node = [], lru.tail.lru_prev[lru._pt]  # least recent first, locked ones too
         while node is not lru.head:

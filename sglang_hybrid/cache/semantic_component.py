@@ -117,6 +117,11 @@ class SemanticMambaComponent(MambaComponent):
         host_slots = self.host_slots
         return lambda node: node.component_data[MAMBA].value is not None or node.id in host_slots
 
+    def reclaimable_value_len(self, node: "UnifiedTreeNode") -> int:
+        # A MAMBA value is one slot; SGLang's ledgers ask for it on every lock, unlock and
+        # eviction, and reading the length of a tensor costs ~2 us each time.
+        return 0 if node.component_data[MAMBA].value is None else 1
+
     def node_has_component_data(self, node, target=EvictLayer.DEVICE) -> bool:
         # A host-only checkpoint is data of this node: the KV cascade that deletes the node
         # must reach evict_component so the host slot goes with it.
@@ -282,7 +287,8 @@ class SemanticMambaComponent(MambaComponent):
         lru = self.tree_core.lru_lists[MAMBA]
         if lru.in_list(victim):
             lru.remove_node(victim)
-        self.tree_core._update_evictable_leaf_sets(victim)
+        # SGLang's evictable-leaf sets stay as they are: a leaf is defined by the Full KV and
+        # the locks, never by a MAMBA value (its own MAMBA tombstone leaves them alone too).
         if self._demote(victim, slot, value):
             return False
         self.cache.stats.evicted += 1
