@@ -22,6 +22,7 @@ from sglang_hybrid.anchors.hints import validate_hints
 from sglang_hybrid.planning.addresses import (
     ANY_ROLE, FROM_END, IN_MESSAGE_FROM_END, PROMPT_TAIL, AnchorIndex, Prefill,
 )
+from sglang_hybrid.planning.admission import SharedCandidates, admit
 from sglang_hybrid.planning.edit_model import EditModel
 from sglang_hybrid.planning.ends import closing_of
 from sglang_hybrid.planning.anchor_planning import AnchorPlanning
@@ -29,7 +30,7 @@ from sglang_hybrid.planning.following import prefix_digests
 from sglang_hybrid.planning.planner import CheckpointPlanner
 from sglang_hybrid.planning import planner as planner_module
 from sglang_hybrid.planning.state import (
-    FORGET_AFTER_GAPS, SHARED_PURPOSES, ClosingCounts, Purpose, RequestContext,
+    CAPTURE_COST_TOKENS, FORGET_AFTER_GAPS, SHARED_PURPOSES, ClosingCounts, Purpose, RequestContext,
 )
 from sglang_hybrid.planning.session_rates import (
     alive, append_probability, mean_gap, next_gap, patience, return_probability, stream_mean_gap,
@@ -950,6 +951,26 @@ def test_full_pool_admits_only_checkpoints_worth_more_than_the_least_valuable_he
     store.budget = len(store.checkpoints) + 8
     plan, _ = store.serve("newer", *last_n_session(2, tag=60_000)[1])
     assert Purpose.PROMPT_TAIL in {c.purpose for c in plan.checkpoints}
+
+
+def test_a_checkpoint_is_admitted_only_if_it_saves_more_than_its_capture_costs():
+    """Free slot or not, a candidate must save more than its capture costs: alone while slots
+    are free (the prompt tail takes one unvalued), beyond the value it displaces once not."""
+    cost = CAPTURE_COST_TOKENS
+    shared = SharedCandidates([100, 200], [Purpose.SHARED_PATH, Purpose.SHARED_PATH], np.array([0.5 * cost, 3 * cost]))
+    own_values = {50: 0.9 * cost, 150: 2.5 * cost, 299: 0.0}
+    own = [(50, Purpose.PREDICTED_EDIT), (150, Purpose.PREDICTED_EDIT), (299, Purpose.PROMPT_TAIL)]
+
+    def admitted(free_slots: int, lowest_held: float) -> list[int]:
+        plan = admit(list(own), shared, lambda depth, purpose, planned: own_values[depth], free_slots,
+                     lambda count: np.full(count, lowest_held))
+        return [c.depth for c in plan]
+
+    assert admitted(free_slots=8, lowest_held=0.0) == [150, 200, 299]
+    # A full pool: worth the least valuable held checkpoint and a capture more, or nothing.
+    assert admitted(free_slots=0, lowest_held=0.0) == [150, 200]
+    assert admitted(free_slots=0, lowest_held=1.6 * cost) == [200]
+    assert admitted(free_slots=0, lowest_held=2.5 * cost) == []
 
 
 def test_a_checkpoint_is_worth_what_it_saves_over_the_next_shallower_one():

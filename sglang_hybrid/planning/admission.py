@@ -125,9 +125,10 @@ def admit(
     ``own``: the session's own candidates, valued by ``own_value(depth, purpose, planned)``
     beside the own ones already admitted (two checkpoints before one restore point save what
     the deeper one saves, once); ``shared``: those serving other sessions, valued on their
-    own. While ``free_slots`` last a positive value is enough; then a candidate must be worth
-    more than the lowest held value it would displace (``held_values(n)``: the n lowest,
-    lowest first)."""
+    own. A candidate must save more than its capture costs (``CAPTURE_COST_TOKENS``): while
+    ``free_slots`` last, that alone (the prompt tail takes one unvalued); then more than that
+    beyond the lowest held value it would displace (``held_values(n)``: the n lowest, lowest
+    first)."""
     own = list(own)
     # Shared candidates, most valuable last (the shallower first among equals).
     order = np.lexsort((-np.asarray(shared.depths, dtype=np.int64), shared.values)).tolist()
@@ -156,25 +157,20 @@ def admit(
         if purpose is Purpose.HINT:
             pass
         elif free > 0:
-            # A free slot costs nothing: the prompt tail takes one even unvalued, since it
-            # serves a repeat no edit model predicts yet.
-            if value <= 0.0 and purpose is not Purpose.PROMPT_TAIL:
+            # The prompt tail takes a free slot even unvalued, since it serves a repeat no edit
+            # model predicts yet.
+            if value <= CAPTURE_COST_TOKENS and purpose is not Purpose.PROMPT_TAIL:
                 continue
         else:
             if held is None:
                 # Each admission displaces at most one: no more can be read than there are
                 # candidates.
                 held = held_values(len(own) + len(order) + 1).tolist()
-            if displaced == len(held) or value <= held[displaced]:
-                # The most valuable candidate left cannot displace the least valuable held
-                # checkpoint: none can, but a hint.
+            if displaced == len(held) or value <= held[displaced] + CAPTURE_COST_TOKENS:
+                # The most valuable candidate left cannot pay for its capture and the least
+                # valuable held checkpoint: none can, but a hint.
                 if all(purpose is not Purpose.HINT for _, purpose in own):
                     break
-                order = _without_shared_paths(order, shared, purpose)
-                continue
-            # A new content's message starts come by the dozen per request, each worth a
-            # fraction of a token: one displacing another must also pay for its capture.
-            if purpose is Purpose.SHARED_PATH and value <= held[displaced] + CAPTURE_COST_TOKENS:
                 order = _without_shared_paths(order, shared, purpose)
                 continue
             displaced += 1
