@@ -11,8 +11,8 @@ points reached again:
 * where the session's next request *edits* its history (a masked observation, an answer
   re-rendered without its reasoning, a rewritten memory block), learned online from where
   the session's and the stream's past edits landed (``edit_points``, ``edit_model``,
-  ``addresses``), and once
-  the request's output is known, from where edits after outputs that ended alike did;
+  ``addresses``), and once the request's output is known, from where edits after outputs
+  that ended alike did;
 * branch points, where a request leaves a path other requests share (a system prompt common
   to all sessions);
 * shared paths: the message starts of content a request computes first, for the sessions

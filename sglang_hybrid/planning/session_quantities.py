@@ -1,6 +1,7 @@
 """The per-session quantities every held checkpoint's value reads (``HeldValues``), for all
-sessions at once: ``session_rates``' and ``valuation``'s own functions compiled (``numba``) over arrays indexed by
-session, so the values are the same floats as the scalar functions give."""
+sessions at once: ``session_rates``' and ``valuation``'s own functions compiled (``numba``)
+over arrays indexed by session, so the values are the same floats as the scalar functions
+give."""
 
 from __future__ import annotations
 
