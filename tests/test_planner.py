@@ -321,6 +321,27 @@ def test_an_anchor_index_groups_positions_by_kind_and_role_in_order():
         np.testing.assert_array_equal(index.unique, np.unique(positions))
 
 
+def test_an_address_names_a_position_exactly_where_it_lists_it():
+    """``names`` (asked of one message) agrees with the points ``points_named`` lists,
+    with no limit but the messages there are, for every address of every position, window
+    addresses reaching past the sequence's messages included."""
+    rng = np.random.default_rng(7)
+    kinds = [int(AnchorKind.MESSAGE_START), int(AnchorKind.TOOL_RESULT_START), int(AnchorKind.PROMPT_END)]
+    for _ in range(100):
+        count = int(rng.integers(1, 30))
+        positions = np.sort(rng.integers(0, 40, count)).astype(np.int64)
+        anchors = Anchors(positions, rng.choice(kinds, count).astype(np.int8),
+                          rng.integers(0, len(Role), count).astype(np.int8))
+        index = AnchorIndex(anchors, 40)
+        addresses = {address for position in range(41) for address in index.addresses_of(position)}
+        addresses |= {(IN_MESSAGE_FROM_END, int(AnchorKind.TOOL_RESULT_START), role, n)
+                      for role in range(len(Role)) for n in range(1, 2 * len(index.messages) + 4)}
+        for address in sorted(addresses):
+            listed = {depth for depth, _ in index.points_named(address, len(index.messages) + 1)}
+            assert [index.names(address, position) for position in range(41)] == [
+                position in listed for position in range(41)], address
+
+
 def test_sessions_sharing_a_system_prompt_restore_at_the_message_start():
     system = message("system", text(1, 50))
     store = PrefixStore(CheckpointPlanner())

@@ -186,8 +186,18 @@ class AnchorIndex:
         return ([] if position is None else [(position, 1)]) + self.positions_ahead(address, limit)
 
     def names(self, address: Address, position: int) -> bool:
-        """Whether ``address`` names ``position`` here, or will as the sequence grows."""
-        return any(depth == position for depth, _ in self.points_named(address, len(self.messages) + 1))
+        """Whether ``address`` names ``position`` here, or will as the sequence grows
+        (``points_named`` with no limit but the messages there are). Only the message holding
+        ``position`` can name it, so a window address asks that one message rather than
+        listing every point it will name (~100 bisections in a 100-message prompt)."""
+        if self.position_of(address) == position:
+            return True
+        if address[0] != IN_MESSAGE_FROM_END:
+            return any(depth == position for depth, _ in self.positions_ahead(address, len(self.messages) + 1))
+        message = bisect_right(self.messages, position) - 1
+        rank, messages, n = len(self.messages) - message, len(self.messages), address[3]
+        return (message >= 0 and max(n - messages - 1, 1) <= rank <= n - 1
+                and self._first_in_message(address[1], address[2], message) == position)
 
     def position_of(self, address: Address) -> Optional[int]:
         kind = address[0]
