@@ -194,8 +194,10 @@ class AnchorIndex:
             return True
         if address[0] != IN_MESSAGE_FROM_END:
             return any(depth == position for depth, _ in self.positions_ahead(address, len(self.messages) + 1))
+        messages, n = len(self.messages), address[3]
         message = bisect_right(self.messages, position) - 1
-        rank, messages, n = len(self.messages) - message, len(self.messages), address[3]
+        rank = messages - message  # from the end, as the address counts
+        # The ranks ``positions_ahead`` lists: below n, at most messages + 1 of them.
         return (message >= 0 and max(n - messages - 1, 1) <= rank <= n - 1
                 and self._first_in_message(address[1], address[2], message) == position)
 
