@@ -345,8 +345,11 @@ def test_an_address_names_a_position_exactly_where_it_lists_it():
 def test_sessions_sharing_a_system_prompt_restore_at_the_message_start():
     system = message("system", text(1, 50))
     store = PrefixStore(CheckpointPlanner())
-    first = request([system, message("user", [4242, *text(2, 10)])], text(3, 5))
-    second = request([system, message("user", [4242, *text(4, 10)])], text(5, 5))
+    # a's and b's user messages share their first tokens: enough that a checkpoint where they
+    # part saves more than its capture costs.
+    opening = list(range(4242, 4252))
+    first = request([system, message("user", [*opening, *text(2, 10)])], text(3, 5))
+    second = request([system, message("user", [*opening, *text(4, 10)])], text(5, 5))
     third = request([system, message("user", text(6, 10))], text(7, 5))
     plan, _ = store.serve("a", *first)
     # a computes its user message first: its start is a shared-path checkpoint, for sessions
@@ -357,8 +360,9 @@ def test_sessions_sharing_a_system_prompt_restore_at_the_message_start():
     assert len(first[0]) - len(GENERATION_PROMPT) not in plan.depths
     plan, restored = store.serve("b", *second)
     assert restored == len(system)
-    # b shares one token of its user message with a: it branches there, past the message start.
-    assert (len(system) + 4, Purpose.BRANCH) in [(c.depth, c.purpose) for c in plan.checkpoints]
+    # b shares the opening of its user message with a: it branches there, past the message
+    # start (and its header, three tokens).
+    assert (len(system) + 3 + len(opening), Purpose.BRANCH) in [(c.depth, c.purpose) for c in plan.checkpoints]
     _, restored = store.serve("c", *third)
     assert restored == len(system)
 
@@ -1075,7 +1079,8 @@ def test_the_uses_of_one_popular_shared_checkpoint_do_not_raise_the_worth_of_new
     system = message("system", text(1, 60))
 
     def own_messages(tag: int) -> list[list[int]]:
-        return [message("user" if i % 2 == 0 else "assistant", text(tag + i, 20)) for i in range(6)]
+        # Long enough that a fresh message start is worth its capture.
+        return [message("user" if i % 2 == 0 else "assistant", text(tag + i, 200)) for i in range(6)]
 
     def fresh_worth_per_token(followers: int) -> tuple[float, int]:
         planner = CheckpointPlanner()
@@ -1106,8 +1111,8 @@ def test_the_uses_of_one_popular_shared_checkpoint_do_not_raise_the_worth_of_new
 def test_a_full_pool_does_not_trade_message_starts_for_fresher_ones_worth_less_than_a_capture():
     """Every request computing new content proposes its message starts for sessions that may
     follow it; unfollowed, each is worth a fraction of a token, fading as it ages. A fresh one
-    is always worth a little more than an older one, but taking it costs a capture (about a
-    prefill token): with the pool full of them, the next requests' message starts do not
+    is always worth a little more than an older one, but taking it costs a capture (a few
+    prefill tokens): with the pool full of them, the next requests' message starts do not
     displace them, while an own checkpoint worth more than the least valuable held still does."""
     system = message("system", text(1, 40))
     planner = CheckpointPlanner()

@@ -25,9 +25,13 @@ PRIOR_EDITS = 2
 PREFILLS_KEPT = 8
 # How many of a session's gaps between requests the stream's mean gap weighs as.
 PRIOR_GAPS = 2
-# What taking a checkpoint costs, in prefill tokens: copying the recurrent state takes as long
-# as prefilling 0.5-2.1 tokens in the replay's cost profiles (replay/cost_model.py).
-CAPTURE_COST_TOKENS = 1.0
+# What taking a checkpoint costs, in prefill tokens of the default cost profile (Qwen3-Next-80B
+# on an H200, replay/cost_model.py, at 8k-128k tokens of context): copying the recurrent state
+# (1.7-0.4 tokens) and the scheduler-thread work the checkpoint brings, its valuation, the
+# node split that attaches it and its eviction (bench/planner_cost.py: ~120-150 us a
+# checkpoint, 6.7-1.9 tokens). 4 is the cost at ~32k tokens; a smaller model on a consumer GPU
+# prefills slower per token, where the same work is ~1.5-2.3 tokens.
+CAPTURE_COST_TOKENS = 4.0
 # Prompt prefixes (at message starts) whose first producer the planner remembers, to tell which
 # session a request follows; the oldest are forgotten first.
 MAX_REMEMBERED_PREFIXES = 1 << 16
