@@ -29,8 +29,9 @@ PRIOR_GAPS = 2
 # on an H200, replay/cost_model.py, at 8k-128k tokens of context): copying the recurrent state
 # (1.7-0.4 tokens) and the scheduler-thread work the checkpoint brings, its valuation, the
 # node split that attaches it and its eviction (bench/planner_cost.py: ~120-150 us a
-# checkpoint, 6.7-1.9 tokens). 4 is the cost at ~32k tokens; a smaller model on a consumer GPU
-# prefills slower per token, where the same work is ~1.5-2.3 tokens.
+# checkpoint, 6.7-1.9 tokens on this project's 2-core machine). 4 is about the cost at 32k
+# tokens (4.9 here; a server's CPU does the work faster). A GPU that prefills slower per
+# token makes the same work fewer tokens: ~2.3-0.7 for Qwen3.5-35B on an RTX 4090.
 CAPTURE_COST_TOKENS = 4.0
 # Prompt prefixes (at message starts) whose first producer the planner remembers, to tell which
 # session a request follows; the oldest are forgotten first.
